@@ -1,0 +1,212 @@
+"""The engine: requests in, one scheduler step at a time, RequestOutputs out."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from blockspec.config import ConfigError, EngineConfig, ModelConfig
+from blockspec.engine.detokenizer import IncrementalDetokenizer
+from blockspec.engine.kv_cache import BlockManager
+from blockspec.engine.model_runner import ModelRunner, decide_num_blocks, kv_bytes_per_block
+from blockspec.engine.scheduler import Scheduler
+from blockspec.engine.sequence import Sequence
+from blockspec.models.loader import load_model
+from blockspec.outputs import RequestOutput
+from blockspec.sampling_params import SamplingParams
+
+
+def load_tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # transformers raises many types for a broken folder
+        raise ConfigError(f"could not load a tokenizer from {path!r}: {e}") from None
+
+
+@dataclass
+class _Request:
+    seq: Sequence
+    prompt: str | None
+    detok: IncrementalDetokenizer
+    text: str = ""  # output text after stop-string truncation
+    emitted_chars: int = 0
+    emitted_tokens: int = 0
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.model_config = ModelConfig.from_pretrained(config.model)
+        mc = self.model_config
+        if config.max_model_len is not None and config.max_model_len > mc.max_position_embeddings:
+            raise ConfigError(f"max_model_len {config.max_model_len} exceeds the model's "
+                              f"max_position_embeddings {mc.max_position_embeddings}")
+        self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        self.dtype = config.resolve_dtype(mc.dtype)
+        torch.manual_seed(config.seed)
+        self.device = torch.device(config.device)
+        self.tokenizer = load_tokenizer(config.tokenizer or config.model)
+        self.model = load_model(config.model, mc, self.dtype, self.device)
+        self.eos_token_ids = self._eos_ids()
+
+        per_block = kv_bytes_per_block(mc, config.kv_block_size, self.dtype)
+        num_blocks = decide_num_blocks(config, per_block)
+        self.block_manager = BlockManager(num_blocks, config.kv_block_size,
+                                          config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
+                                   config.max_num_batched_tokens)
+        self.runner = ModelRunner(config, mc, self.model, self.block_manager, self.dtype)
+        self.requests: dict[str, _Request] = {}
+        self._ids = itertools.count()
+
+    def _eos_ids(self) -> tuple[int, ...]:
+        ids = set(self.model_config.eos_token_ids)
+        gen_cfg = Path(self.config.model) / "generation_config.json"
+        if gen_cfg.is_file():
+            eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
+            ids.update(eos if isinstance(eos, list) else ([eos] if eos is not None else []))
+        if not ids and self.tokenizer.eos_token_id is not None:
+            ids.add(self.tokenizer.eos_token_id)
+        return tuple(sorted(ids))
+
+    # -- requests -------------------------------------------------------------------------------
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ConfigError("prompt is empty")
+            return self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        if not ids:
+            raise ConfigError("prompt is empty")
+        vocab = self.model_config.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            raise ConfigError(f"prompt token ids must be integers in [0, {vocab})")
+        return ids
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else str(next(self._ids))
+        if request_id in self.requests:
+            raise ConfigError(f"request id {request_id!r} is already in use")
+        ids = self.tokenize(prompt)
+        if len(ids) >= self.max_model_len:
+            raise ConfigError(f"prompt has {len(ids)} tokens; the context length is "
+                              f"{self.max_model_len}, which leaves no room to generate")
+        room = self.max_model_len - len(ids)
+        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        needed = self.block_manager.blocks_for(len(ids) + max_tokens + self.lookahead_slots())
+        if needed > self.block_manager.num_blocks:
+            raise ConfigError(
+                f"request needs {needed} KV blocks ({len(ids)} prompt + {max_tokens} new tokens) "
+                f"but the cache holds {self.block_manager.num_blocks}; raise the KV-cache budget "
+                "or lower max_tokens")
+        gen = None
+        if params.seed is not None:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(params.seed)
+        seq = Sequence(request_id, ids, params, max_tokens, generator=gen)
+        self.requests[request_id] = _Request(seq, prompt if isinstance(prompt, str) else None,
+                                             IncrementalDetokenizer(self.tokenizer))
+        self.scheduler.add(seq)
+        return request_id
+
+    def lookahead_slots(self) -> int:
+        return 0
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        req = self.requests.get(request_id)
+        if req is None or req.seq.is_finished:
+            return None
+        self.scheduler.finish(req.seq, "abort")
+        return self._output(req)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    # -- stepping -------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        if not sched:
+            return []
+        sampled, tokens, logprobs = self.runner.execute(sched.seqs, sched.num_new_tokens)
+        for seq, n in zip(sched.seqs, sched.num_new_tokens):
+            seq.num_computed_tokens += n
+            self.block_manager.register_full_blocks(seq)
+        now = time.monotonic()
+        outputs = []
+        for seq, tok, lp in zip(sampled, tokens, logprobs):
+            outputs.append(self._commit(self.requests[seq.request_id], [tok], [lp], now))
+        return outputs
+
+    def _commit(self, req: _Request, tokens: list[int], logprobs: list[dict[int, float] | None],
+                now: float) -> RequestOutput:
+        """Append generated tokens one by one, stopping exactly where decoding would stop."""
+        seq, params = req.seq, req.seq.params
+        if seq.metrics.first_token_time is None:
+            seq.metrics.first_token_time = now
+        for tok, lp in zip(tokens, logprobs):
+            seq.output_token_ids.append(tok)
+            seq.metrics.num_generated_tokens += 1
+            if lp is not None:
+                seq.logprobs.append(lp)
+            eos = not params.ignore_eos and tok in self.eos_token_ids
+            delta = req.detok.add([tok], final=eos)
+            req.text += delta
+            reason, stop = self._check_stop(req, tok, eos, len(delta))
+            if reason is not None:
+                self.scheduler.finish(seq, reason, stop)
+                break
+        return self._output(req)
+
+    def _check_stop(self, req: _Request, tok: int, eos: bool,
+                    delta_len: int) -> tuple[str | None, str | int | None]:
+        seq, params = req.seq, req.seq.params
+        if eos:
+            return "stop", None
+        if tok in params.stop_token_ids:
+            return "stop", tok
+        if delta_len and params.stop_strs:
+            longest = max(len(s) for s in params.stop_strs)
+            window_start = max(0, len(req.text) - delta_len - longest + 1)
+            hits = [(req.text.find(s, window_start), s) for s in params.stop_strs]
+            hits = [(i, s) for i, s in hits if i >= 0]
+            if hits:
+                i, s = min(hits)
+                req.text = req.text[: i + len(s)] if params.include_stop_str_in_output \
+                    else req.text[:i]
+                return "stop", s
+        if len(seq.output_token_ids) >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+            req.text += req.detok.add([], final=True)
+            return "length", None
+        return None, None
+
+    def _output(self, req: _Request) -> RequestOutput:
+        seq = req.seq
+        finished = seq.is_finished
+        # NOTE: while streaming, hold back text that could be the start of a stop string.
+        hold = 0 if finished else max((len(s) - 1 for s in seq.params.stop_strs), default=0)
+        visible = max(req.emitted_chars, len(req.text) - hold)
+        delta_text = req.text[req.emitted_chars:visible]
+        req.emitted_chars = visible
+        delta_ids = seq.output_token_ids[req.emitted_tokens:]
+        req.emitted_tokens = len(seq.output_token_ids)
+        out = RequestOutput(
+            request_id=seq.request_id, prompt=req.prompt,
+            prompt_token_ids=seq.prompt_token_ids, text=req.text[:visible],
+            token_ids=list(seq.output_token_ids), finished=finished,
+            finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+            logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
+            metrics=seq.metrics, delta_text=delta_text, delta_token_ids=delta_ids,
+        )
+        if finished:
+            del self.requests[seq.request_id]
+        return out

@@ -1,0 +1,124 @@
+"""Continuous batching with chunked prefill and recompute preemption.
+
+Every step has a token budget (`max_num_batched_tokens`). Running sequences are served first, oldest
+first, each asking for the tokens it has not computed yet (1 for decode, the rest of its prompt for
+a partially prefilled one, capped by the budget). Waiting sequences then take what budget is left as
+(chunked) prefills. When the cache is full the newest running sequence is preempted: its blocks are
+freed and it re-enters the front of the waiting queue to be recomputed later (the prefix cache
+usually makes that cheap).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from blockspec.engine.kv_cache import BlockManager
+from blockspec.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class SchedulerOutput:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)  # tokens computed this step per seq
+    num_preempted: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def __bool__(self) -> bool:
+        return bool(self.seqs)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int,
+                 max_num_batched_tokens: int) -> None:
+        self.block_manager = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def lookahead(self, seq: Sequence) -> int:
+        """Extra K/V slots a decoding sequence needs past its next token (speculation)."""
+        return 0
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            slots = n + (self.lookahead(seq) if n == seq.num_tokens - seq.num_computed_tokens
+                         else 0)
+            while not self.block_manager.can_allocate(seq, slots):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.num_preempted += 1
+                if victim is seq:
+                    break
+            if seq.status != SequenceStatus.RUNNING:
+                break
+            self.block_manager.allocate(seq, slots)
+            out.seqs.append(seq)
+            out.num_new_tokens.append(n)
+            budget -= n
+            i += 1
+
+        # NOTE: admit nothing new in a step that had to preempt: the cache is under pressure.
+        while self.waiting and budget > 0 and not out.num_preempted:
+            if len(self.running) >= self.max_num_seqs:
+                break
+            seq = self.waiting[0]
+            fresh = not seq.block_table
+            if fresh:
+                cached = self.block_manager.match_prefix(seq)
+                if seq.metrics.first_scheduled_time is None:
+                    seq.metrics.num_cached_tokens = cached
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            n = min(remaining, budget)
+            slots = n + (self.lookahead(seq) if n == remaining else 0)
+            if not self.block_manager.can_allocate(seq, slots):
+                if fresh:
+                    self.block_manager.free(seq)
+                break
+            self.block_manager.allocate(seq, slots)
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            if seq.metrics.first_scheduled_time is None:
+                seq.metrics.first_scheduled_time = time.monotonic()
+            self.running.append(seq)
+            out.seqs.append(seq)
+            out.num_new_tokens.append(n)
+            budget -= n
+        return out
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.metrics.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.stop_reason = stop_reason
+        seq.metrics.finished_time = time.monotonic()
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)

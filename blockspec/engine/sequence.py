@@ -1,0 +1,87 @@
+"""A request's state as it moves through the scheduler."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from blockspec.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    num_prompt_tokens: int = 0
+    num_generated_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first schedule)
+    num_preemptions: int = 0
+
+    @property
+    def ttft(self) -> float | None:
+        if self.first_token_time is None:
+            return None
+        return self.first_token_time - self.arrival_time
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean time per output token after the first."""
+        if self.finished_time is None or self.first_token_time is None:
+            return None
+        if self.num_generated_tokens < 2:
+            return 0.0
+        return (self.finished_time - self.first_token_time) / (self.num_generated_tokens - 1)
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int  # resolved against the context length
+    eos_token_ids: tuple[int, ...] = ()
+    status: SequenceStatus = SequenceStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    # NOTE: tokens [0, num_computed_tokens) have their K/V in the cache; never past committed.
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    num_hashed_blocks: int = 0  # leading blocks of block_table registered in the prefix cache
+    block_hashes: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    generator: torch.Generator | None = None
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
+
+    def __post_init__(self) -> None:
+        self.metrics.num_prompt_tokens = len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def token_at(self, i: int) -> int:
+        n = len(self.prompt_token_ids)
+        return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED

@@ -1,0 +1,129 @@
+"""Qwen3 / Llama decoder (they differ only by Qwen3's per-head q/k RMSNorm).
+
+Inputs are flat token batches (`[T]` ids and positions) with paged-attention metadata, so one
+forward serves prefill chunks, decode and multi-token verify at once. q/k/v and gate/up are fused
+into single matmuls; the loader splits HF's separate weights into them.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from blockspec.config import ModelConfig
+from blockspec.layers.attention import AttentionMetadata, PagedAttention
+from blockspec.layers.norm import RMSNorm
+from blockspec.layers.rotary import RotaryEmbedding
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size,
+                                  bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.attention_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
+        self.rotary = rotary
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim,
+                                   scale=self.head_dim**-0.5)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        out = self.attn(q, k, v, meta)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size,
+                                      bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, rotary)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, h: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        h = h + self.self_attn(positions, self.input_layernorm(h), meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DecoderModel(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        # NOTE: one rotary table shared by all layers (it is a buffer, not a weight).
+        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                hidden_layer_ids: tuple[int, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        h = self.embed_tokens(input_ids)
+        taps: list[torch.Tensor] = []
+        for i, layer in enumerate(self.layers):
+            h = layer(positions, h, meta)
+            if i in hidden_layer_ids:
+                taps.append(h)
+        return self.norm(h), taps
+
+
+class CausalLM(nn.Module):
+    """Qwen3ForCausalLM / LlamaForCausalLM with HF parameter names (after q/k/v, gate/up fusion)."""
+
+    packed_modules = {
+        "q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                hidden_layer_ids: tuple[int, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Returns the final-normed hidden states [T, H] and, for each id in `hidden_layer_ids`
+        (ascending), the output of that decoder layer (HF `hidden_states[id + 1]`)."""
+        return self.model(input_ids, positions, meta, hidden_layer_ids)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def shard_sizes(self, packed: str) -> list[int]:
+        cfg = self.config
+        if packed == "qkv_proj":
+            q = cfg.num_attention_heads * cfg.head_dim
+            kv = cfg.num_key_value_heads * cfg.head_dim
+            return [q, kv, kv]
+        return [cfg.intermediate_size, cfg.intermediate_size]

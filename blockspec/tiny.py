@@ -1,0 +1,103 @@
+"""Tiny random HF checkpoints (config.json + safetensors + tokenizer), built offline.
+
+Tests use them, and so does `blockspec generate` when no model is given (until the trained demo
+pair ships). Weights come from HF transformers' own model classes, so these are genuine HF folders.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from pathlib import Path
+
+import torch
+
+_CORPUS_MODULES = ("json", "textwrap", "string", "heapq", "bisect", "functools")
+
+
+def corpus_text() -> str:
+    """Some Python source that ships with every interpreter: enough for a small BPE."""
+    import importlib
+
+    return "\n".join(inspect.getsource(importlib.import_module(m)) for m in _CORPUS_MODULES)
+
+
+def build_tokenizer(out: str | os.PathLike, vocab_size: int = 512) -> int:
+    """Trains a byte-level BPE, saves it as an HF fast tokenizer, returns its vocab size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator([corpus_text()], trainer=trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
+                                   pad_token="<|endoftext|>")
+    fast.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    fast.save_pretrained(str(out))
+    return tok.get_vocab_size()
+
+
+def build_tiny_model(
+    out: str | os.PathLike,
+    arch: str = "qwen3",
+    hidden_size: int = 64,
+    num_layers: int = 4,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 16,
+    intermediate_size: int = 128,
+    max_position_embeddings: int = 1024,
+    tie_word_embeddings: bool = False,
+    init_std: float = 0.25,
+    seed: int = 0,
+    vocab_size: int = 512,
+    rope_scaling: dict | None = None,
+) -> Path:
+    """Writes a random Qwen3ForCausalLM / LlamaForCausalLM folder. A large `init_std` makes the
+    logits peaked, so greedy decoding has clear winners and comparisons are not decided by ties."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    vocab = build_tokenizer(out, vocab_size)
+    common = dict(
+        vocab_size=vocab, hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads, head_dim=head_dim,
+        max_position_embeddings=max_position_embeddings, rms_norm_eps=1e-6,
+        tie_word_embeddings=tie_word_embeddings, initializer_range=init_std,
+        eos_token_id=0, bos_token_id=None, pad_token_id=0,
+    )
+    if rope_scaling is not None:
+        common["rope_scaling"] = rope_scaling
+    if arch == "qwen3":
+        cfg, cls = Qwen3Config(**common), Qwen3ForCausalLM
+    elif arch == "llama":
+        cfg, cls = LlamaConfig(**common), LlamaForCausalLM
+    else:
+        raise ValueError(f"unknown tiny arch {arch!r}")
+    torch.manual_seed(seed)
+    model = cls(cfg).to(torch.float32)
+    with torch.no_grad():  # RMSNorm weights init to 1; perturb them so the tests see them.
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    model.save_pretrained(str(out))
+    return out
+
+
+def default_demo_model() -> Path:
+    """A cached tiny random Qwen3 for running the CLI with no model at hand."""
+    cache = Path(os.environ.get("BLOCKSPEC_CACHE", Path.home() / ".cache" / "blockspec"))
+    path = cache / "tiny-random-qwen3"
+    if not (path / "config.json").is_file():
+        build_tiny_model(path)
+    return path
