@@ -186,6 +186,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     tokenizer: str | None = None
+    load_format: str = "auto"  # "dummy": random weights from config.json (benchmarks only)
 
     def __post_init__(self) -> None:
         if self.device is None:
@@ -206,6 +207,8 @@ class EngineConfig:
             raise ConfigError("kv_block_size must be a positive power of two")
         if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
             raise ConfigError("kv cache memory budget must be positive")
+        if self.load_format not in ("auto", "dummy"):
+            raise ConfigError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ConfigError("num_kv_blocks must be positive")
 

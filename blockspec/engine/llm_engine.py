@@ -54,7 +54,7 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         self.device = torch.device(config.device)
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
-        self.model = load_model(config.model, mc, self.dtype, self.device)
+        self.model = load_model(config.model, mc, self.dtype, self.device, config.load_format)
         self.eos_token_ids = self._eos_ids()
 
         per_block = kv_bytes_per_block(mc, config.kv_block_size, self.dtype)

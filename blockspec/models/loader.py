@@ -99,8 +99,23 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
     dst.copy_(src)
 
 
+def init_dummy_weights(model: nn.Module, std: float = 0.02, seed: int = 0) -> None:
+    """Random weights of the right shapes (vLLM's `load_format=dummy`), for system benchmarks."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.data.fill_(1.0)
+        elif name.endswith("bias"):
+            p.data.zero_()
+        else:
+            p.data.normal_(0.0, std, generator=gen)
+
+
 def load_model(path: str | Path, cfg: ModelConfig, dtype: torch.dtype,
-               device: torch.device | str) -> CausalLM:
+               device: torch.device | str, load_format: str = "auto") -> CausalLM:
     model = build_model(cfg, dtype, device)
-    load_weights(model, path)
+    if load_format == "dummy":
+        init_dummy_weights(model)
+    else:
+        load_weights(model, path)
     return model

@@ -1,0 +1,133 @@
+"""`blockspec` command line: generate (more subcommands arrive with their issues)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+from blockspec.config import ConfigError
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None,
+                   help="HF model folder (config.json + safetensors + tokenizer). Default: a tiny "
+                        "random Qwen3 built offline and cached under ~/.cache/blockspec")
+    g.add_argument("--device", choices=["cpu", "cuda"], default=None,
+                   help="default: cuda when available, else cpu")
+    g.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
+                   help="auto: the checkpoint's dtype on CUDA (fp32 -> bf16), float32 on CPU")
+    g.add_argument("--max-model-len", type=int, default=None,
+                   help="context length (default: the model's max_position_embeddings)")
+    g.add_argument("--kv-cache-memory", type=float, default=None, metavar="GiB",
+                   help="KV-cache budget in GiB (default: 1 on CPU, 90%% of free memory minus "
+                        "2 GiB on CUDA)")
+    g.add_argument("--num-kv-blocks", type=int, default=None,
+                   help="exact number of KV blocks (overrides --kv-cache-memory)")
+    g.add_argument("--kv-block-size", type=int, default=16, help="tokens per KV block")
+    g.add_argument("--max-num-seqs", type=int, default=256, help="max running sequences")
+    g.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                   help="token budget per step (prefills are chunked to fit)")
+    g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
+    g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    return dict(
+        device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+        kv_cache_memory_gb=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks,
+        kv_block_size=args.kv_block_size, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
+    )
+
+
+def resolve_model(args: argparse.Namespace) -> str:
+    if args.model is not None:
+        return args.model
+    from blockspec.tiny import default_demo_model
+
+    path = default_demo_model()
+    print(f"[blockspec] no --model given: using the tiny random demo model at {path} "
+          "(random weights: expect gibberish)", file=sys.stderr)
+    return str(path)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from blockspec.engine.llm_engine import LLMEngine
+    from blockspec.llm import EngineConfig
+    from blockspec.sampling_params import SamplingParams
+
+    params = SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+        seed=args.sample_seed, max_tokens=args.max_tokens, stop=args.stop or None,
+        ignore_eos=args.ignore_eos,
+    )
+    engine = LLMEngine(EngineConfig(model=resolve_model(args), **engine_kwargs(args)))
+    prompt = args.prompt
+    if args.chat:
+        if not getattr(engine.tokenizer, "chat_template", None):
+            raise ConfigError("--chat given but the model's tokenizer has no chat template")
+        prompt = engine.tokenizer.apply_chat_template(
+            [{"role": "user", "content": args.prompt}], tokenize=False,
+            add_generation_prompt=True)
+    start = time.perf_counter()
+    engine.add_request(prompt, params)
+    out = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            sys.stdout.write(out.delta_text)
+            sys.stdout.flush()
+    sys.stdout.write("\n")
+    if args.verbose and out is not None:
+        elapsed = time.perf_counter() - start
+        m = out.metrics
+        print(f"[blockspec] {m.num_prompt_tokens} prompt tokens ({m.num_cached_tokens} cached), "
+              f"{m.num_generated_tokens} generated in {elapsed:.2f}s "
+              f"({m.num_generated_tokens / elapsed:.1f} tok/s), TTFT {m.ttft * 1e3:.1f} ms, "
+              f"finish_reason={out.finish_reason}", file=sys.stderr)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="blockspec",
+        description="LLM inference with block-diffusion speculative decoding (DFlash).")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    gen = sub.add_parser("generate", help="generate from one prompt, streaming to stdout")
+    add_engine_args(gen)
+    s = gen.add_argument_group("sampling")
+    s.add_argument("--prompt", required=True, help="prompt text")
+    s.add_argument("--chat", action="store_true",
+                   help="wrap the prompt as a user message with the tokenizer's chat template")
+    s.add_argument("--max-tokens", type=int, default=128)
+    s.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    s.add_argument("--top-p", type=float, default=1.0)
+    s.add_argument("--top-k", type=int, default=-1)
+    s.add_argument("--min-p", type=float, default=0.0)
+    s.add_argument("--sample-seed", type=int, default=None, help="per-request sampling seed")
+    s.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    s.add_argument("--ignore-eos", action="store_true")
+    s.add_argument("--verbose", "-v", action="store_true", help="print request metrics to stderr")
+    gen.set_defaults(func=cmd_generate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ConfigError as e:
+        print(f"blockspec: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\nblockspec: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
