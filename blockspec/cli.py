@@ -32,6 +32,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="token budget per step (prefills are chunked to fit)")
     g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
+    d = p.add_argument_group("speculative decoding")
+    d.add_argument("--draft", default=None,
+                   help="DFlash drafter folder (published checkpoint format): enables DFlash")
+    d.add_argument("--block-size", type=int, default=None,
+                   help="tokens verified per step (default: the drafter's block_size; smaller "
+                        "is allowed)")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -41,6 +47,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kv_block_size=args.kv_block_size, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
+        draft=args.draft, block_size=args.block_size,
     )
 
 
@@ -88,6 +95,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
               f"{m.num_generated_tokens} generated in {elapsed:.2f}s "
               f"({m.num_generated_tokens / elapsed:.1f} tok/s), TTFT {m.ttft * 1e3:.1f} ms, "
               f"finish_reason={out.finish_reason}", file=sys.stderr)
+        if engine.runner.proposer is not None:
+            spec = m.spec
+            hist = " ".join(f"{k}:{v}" for k, v in sorted(spec.acceptance_length_hist.items()))
+            print(f"[blockspec] DFlash block {engine.spec_block_size}: {spec.summary()}; "
+                  f"acceptance-length histogram {{{hist}}}", file=sys.stderr)
     return 0
 
 

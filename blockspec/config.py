@@ -187,6 +187,8 @@ class EngineConfig:
     seed: int = 0
     tokenizer: str | None = None
     load_format: str = "auto"  # "dummy": random weights from config.json (benchmarks only)
+    draft: str | None = None  # DFlash drafter folder: enables speculative decoding
+    block_size: int | None = None  # speculative block (verified tokens); None: the drafter's
 
     def __post_init__(self) -> None:
         if self.device is None:
@@ -207,6 +209,10 @@ class EngineConfig:
             raise ConfigError("kv_block_size must be a positive power of two")
         if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
             raise ConfigError("kv cache memory budget must be positive")
+        if self.block_size is not None and self.block_size < 2:
+            raise ConfigError(f"block_size must be >= 2, got {self.block_size}")
+        if self.block_size is not None and self.draft is None:
+            raise ConfigError("block_size is the speculative block length: it needs a draft model")
         if self.load_format not in ("auto", "dummy"):
             raise ConfigError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:

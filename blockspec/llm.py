@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Sequence as Seq
 from typing import Any
 
@@ -28,10 +29,10 @@ class LLM:
     ) -> list[RequestOutput]:
         """Generates for every prompt (strings or token-id lists) and returns outputs in order.
         A progress bar shows when there are more than a few prompts (`use_tqdm` forces it)."""
-        if isinstance(prompts, str) or (
-            isinstance(prompts, list) and prompts and isinstance(prompts[0], int)
-        ):
+        if isinstance(prompts, str):
             prompts = [prompts]
+        elif len(prompts) and _is_token(prompts[0]):  # one token-id prompt (list, tuple, array)
+            prompts = [list(prompts)]
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
@@ -57,3 +58,7 @@ class LLM:
                         results[out.request_id] = out
                         bar.update(1)
         return [results[rid] for rid in ids]
+
+
+def _is_token(x: object) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import operator
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +21,8 @@ from blockspec.engine.sequence import Sequence
 from blockspec.models.loader import load_model
 from blockspec.outputs import RequestOutput
 from blockspec.sampling_params import SamplingParams
+from blockspec.spec.metrics import SpecStats
+from blockspec.spec.proposer import DFlashProposer, drafter_kv_bytes_per_block, load_drafter
 
 
 def load_tokenizer(path: str) -> Any:
@@ -58,12 +61,28 @@ class LLMEngine:
         self.eos_token_ids = self._eos_ids()
 
         per_block = kv_bytes_per_block(mc, config.kv_block_size, self.dtype)
+        drafter = None
+        self.spec_block_size = 0
+        if config.draft is not None:
+            drafter = load_drafter(config.draft, mc, self.max_model_len, self.dtype, self.device)
+            self.spec_block_size = config.block_size or drafter.config.block_size
+            if config.max_num_batched_tokens < self.spec_block_size:
+                raise ConfigError(f"max_num_batched_tokens ({config.max_num_batched_tokens}) "
+                                  f"must be >= the block size ({self.spec_block_size})")
+            per_block += drafter_kv_bytes_per_block(drafter.config, config.kv_block_size,
+                                                    self.dtype)
         num_blocks = decide_num_blocks(config, per_block)
         self.block_manager = BlockManager(num_blocks, config.kv_block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
-                                   config.max_num_batched_tokens)
-        self.runner = ModelRunner(config, mc, self.model, self.block_manager, self.dtype)
+                                   config.max_num_batched_tokens, self.lookahead_slots())
+        proposer = None
+        if drafter is not None:
+            proposer = DFlashProposer(drafter, self.model, self.spec_block_size, num_blocks,
+                                      config.kv_block_size, self.dtype, self.device)
+        self.runner = ModelRunner(config, mc, self.model, self.block_manager, self.dtype,
+                                  self.max_model_len, proposer)
+        self.spec_stats = SpecStats()
         self.requests: dict[str, _Request] = {}
         self._ids = itertools.count()
 
@@ -83,11 +102,15 @@ class LLMEngine:
             if not prompt:
                 raise ConfigError("prompt is empty")
             return self.tokenizer.encode(prompt)
-        ids = list(prompt)
+        vocab = self.model_config.vocab_size
+        try:
+            ids = [operator.index(t) for t in prompt]
+        except TypeError:
+            raise ConfigError("a prompt must be a string or a list of token ids (integers in "
+                              f"[0, {vocab}))") from None
         if not ids:
             raise ConfigError("prompt is empty")
-        vocab = self.model_config.vocab_size
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+        if any(isinstance(t, bool) or not 0 <= t < vocab for t in prompt):
             raise ConfigError(f"prompt token ids must be integers in [0, {vocab})")
         return ids
 
@@ -120,7 +143,7 @@ class LLMEngine:
         return request_id
 
     def lookahead_slots(self) -> int:
-        return 0
+        return max(self.spec_block_size - 1, 0)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         req = self.requests.get(request_id)
@@ -137,19 +160,32 @@ class LLMEngine:
         sched = self.scheduler.schedule()
         if not sched:
             return []
-        sampled, tokens, logprobs = self.runner.execute(sched.seqs, sched.num_new_tokens)
-        for seq, n in zip(sched.seqs, sched.num_new_tokens):
-            seq.num_computed_tokens += n
-            self.block_manager.register_full_blocks(seq)
+        res = self.runner.execute(sched.seqs, sched.num_new_tokens)
         now = time.monotonic()
+        finishing: dict[int, tuple[str, str | int | None]] = {}
+        for seq, toks, lps, drafted, acc in zip(res.sampled_seqs, res.tokens, res.logprobs,
+                                                res.drafted, res.accepted):
+            seq.metrics.spec.record(drafted, acc)
+            self.spec_stats.record(drafted, acc)
+            reason = self._append(self.requests[seq.request_id], toks, lps, now)
+            if reason is not None:
+                finishing[id(seq)] = reason
+        for seq, adv in zip(sched.seqs, res.advance):
+            # NOTE: K/V exist for every token but the newest (the target's own pick, or a
+            # truncation point when a stop ends the request mid-block).
+            seq.num_computed_tokens = min(seq.num_computed_tokens + adv, seq.num_tokens - 1)
+            self.block_manager.register_full_blocks(seq)
         outputs = []
-        for seq, tok, lp in zip(sampled, tokens, logprobs):
-            outputs.append(self._commit(self.requests[seq.request_id], [tok], [lp], now))
+        for seq in res.sampled_seqs:
+            if id(seq) in finishing:
+                self.scheduler.finish(seq, *finishing[id(seq)])
+            outputs.append(self._output(self.requests[seq.request_id]))
         return outputs
 
-    def _commit(self, req: _Request, tokens: list[int], logprobs: list[dict[int, float] | None],
-                now: float) -> RequestOutput:
-        """Append generated tokens one by one, stopping exactly where decoding would stop."""
+    def _append(self, req: _Request, tokens: list[int], logprobs: list[dict[int, float] | None],
+                now: float) -> tuple[str, str | int | None] | None:
+        """Append generated tokens one by one, stopping exactly where decoding would stop.
+        Returns (finish_reason, stop_reason) when the request is done."""
         seq, params = req.seq, req.seq.params
         if seq.metrics.first_token_time is None:
             seq.metrics.first_token_time = now
@@ -159,13 +195,17 @@ class LLMEngine:
             if lp is not None:
                 seq.logprobs.append(lp)
             eos = not params.ignore_eos and tok in self.eos_token_ids
-            delta = req.detok.add([tok], final=eos)
+            # NOTE: like vLLM, a stop token's own text is left out unless asked for.
+            stop_tok = eos or tok in params.stop_token_ids
+            if stop_tok and not params.include_stop_str_in_output:
+                delta = req.detok.add([], final=True)
+            else:
+                delta = req.detok.add([tok], final=eos)
             req.text += delta
             reason, stop = self._check_stop(req, tok, eos, len(delta))
             if reason is not None:
-                self.scheduler.finish(seq, reason, stop)
-                break
-        return self._output(req)
+                return reason, stop
+        return None
 
     def _check_stop(self, req: _Request, tok: int, eos: bool,
                     delta_len: int) -> tuple[str | None, str | int | None]:

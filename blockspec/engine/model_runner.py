@@ -1,5 +1,6 @@
-"""Owns the model and its KV cache on the device; turns scheduled sequences into tensors, runs the
-forward, samples."""
+"""Owns the models and KV caches on the device; turns scheduled sequences into flat tensors, runs
+one step (draft -> verify/prefill/decode -> write draft context -> sample -> accept), and returns
+what each sequence committed. The host syncs once per step, to read the tokens."""
 
 from __future__ import annotations
 
@@ -13,24 +14,27 @@ from blockspec.engine.sequence import Sequence
 from blockspec.layers.attention import AttentionMetadata, PagedAttention
 from blockspec.layers.sampler import SamplingTensors, chosen_logprobs, sample
 from blockspec.models.qwen3 import CausalLM
+from blockspec.spec.proposer import DFlashProposer
+from blockspec.spec.verify import num_accepted
 
 _GiB = 1 << 30
 
+Logprobs = dict[int, float] | None
+
 
 @dataclass
-class StepInputs:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    meta: AttentionMetadata
-    logits_indices: torch.Tensor  # rows of the flat batch whose logits are sampled
-    sample_seqs: list[Sequence]
+class StepResult:
+    advance: list[int]  # per scheduled seq: tokens whose K/V this step committed
+    sampled_seqs: list[Sequence]
+    tokens: list[list[int]]  # per sampled seq: emitted tokens, in order
+    logprobs: list[list[Logprobs]]
+    drafted: list[int]  # per sampled seq: draft tokens verified this step (0 without a draft)
+    accepted: list[int]  # per sampled seq: of which accepted
 
 
-def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype,
-                       num_layers: int | None = None) -> int:
-    layers = cfg.num_hidden_layers if num_layers is None else num_layers
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
+    return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
 
 
 def decide_num_blocks(config: EngineConfig, per_block: int) -> int:
@@ -53,80 +57,126 @@ def decide_num_blocks(config: EngineConfig, per_block: int) -> int:
 
 class ModelRunner:
     def __init__(self, config: EngineConfig, model_cfg: ModelConfig, model: CausalLM,
-                 block_manager: BlockManager, dtype: torch.dtype) -> None:
-        self.config = config
+                 block_manager: BlockManager, dtype: torch.dtype, max_model_len: int,
+                 proposer: DFlashProposer | None = None) -> None:
         self.model_cfg = model_cfg
         self.model = model
         self.device = torch.device(config.device)
         self.dtype = dtype
-        self.block_manager = block_manager
-        self.block_size = block_manager.block_size
+        self.bm = block_manager
+        self.max_model_len = max_model_len
+        self.proposer = proposer
         self.default_generator = torch.Generator(device=self.device)
         self.default_generator.manual_seed(config.seed)
-        self.kv_cache = self._allocate_kv(model, block_manager.num_blocks)
-
-    def _allocate_kv(self, model: torch.nn.Module, num_blocks: int) -> torch.Tensor:
         layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
-        kv_heads, head_dim = layers[0].num_kv_heads, layers[0].head_dim
-        cache = torch.zeros(2, len(layers), num_blocks, self.block_size, kv_heads, head_dim,
-                            dtype=self.dtype, device=self.device)
+        self.kv_cache = torch.zeros(2, len(layers), block_manager.num_blocks,
+                                    block_manager.block_size, model_cfg.num_key_value_heads,
+                                    model_cfg.head_dim, dtype=dtype, device=self.device)
         for i, layer in enumerate(layers):
-            layer.k_cache, layer.v_cache = cache[0, i], cache[1, i]
-        return cache
+            layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
 
-    def prepare(self, seqs: list[Sequence], num_new_tokens: list[int]) -> StepInputs:
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        seq_lens: list[int] = []
-        logits_indices: list[int] = []
-        sample_seqs: list[Sequence] = []
-        bm = self.block_manager
-        for seq, n in zip(seqs, num_new_tokens):
-            start = seq.num_computed_tokens
-            for p in range(start, start + n):
-                input_ids.append(seq.token_at(p))
-                positions.append(p)
-                slots.append(bm.slot(seq, p))
-            seq_lens.append(start + n)
-            if start + n == seq.num_tokens:
-                logits_indices.append(len(input_ids) - 1)
-                sample_seqs.append(seq)
-        meta = AttentionMetadata.build(num_new_tokens, seq_lens, [s.block_table for s in seqs],
-                                       slots, self.device)
-        dev = self.device
-        return StepInputs(
-            input_ids=torch.tensor(input_ids, dtype=torch.int64).to(dev, non_blocking=True),
-            positions=torch.tensor(positions, dtype=torch.int64).to(dev, non_blocking=True),
-            meta=meta,
-            logits_indices=torch.tensor(logits_indices, dtype=torch.int64).to(dev),
-            sample_seqs=sample_seqs,
-        )
+    def block_len(self, seq: Sequence) -> int:
+        """Tokens verified for a decoding sequence: its last token plus the drafts."""
+        if self.proposer is None or seq.num_computed_tokens != seq.num_tokens - 1:
+            return 0
+        return min(self.proposer.block_size, self.max_model_len - seq.num_computed_tokens)
 
     @torch.inference_mode()
-    def execute(self, seqs: list[Sequence], num_new_tokens: list[int]
-                ) -> tuple[list[Sequence], list[int], list[dict[int, float] | None]]:
-        """Runs one step. Returns the sequences that got a new token, the tokens, and logprobs."""
-        inp = self.prepare(seqs, num_new_tokens)
-        hidden, _ = self.model(inp.input_ids, inp.positions, inp.meta)
-        if not inp.sample_seqs:
-            return [], [], []
-        logits = self.model.compute_logits(hidden[inp.logits_indices]).float()
-        st = SamplingTensors.build([s.params for s in inp.sample_seqs],
-                                   [s.generator for s in inp.sample_seqs],
-                                   self.model_cfg.vocab_size, self.device)
+    def execute(self, seqs: list[Sequence], num_new_tokens: list[int]) -> StepResult:
+        bm, dev = self.bm, self.device
+        blens = [self.block_len(s) for s in seqs]
+        spec = [i for i, b in enumerate(blens) if b >= 1]
+        drafts = None
+        if any(blens[i] >= 2 for i in spec):
+            drafts = self.proposer.propose(
+                [seqs[i].token_at(seqs[i].num_tokens - 1) for i in spec],
+                [blens[i] for i in spec], [seqs[i].num_computed_tokens for i in spec],
+                [seqs[i].block_table for i in spec],
+                [[bm.slot(seqs[i], p) for p in range(seqs[i].num_computed_tokens,
+                                                     seqs[i].num_computed_tokens + blens[i])]
+                 for i in spec])
+
+        ids, positions, slots, q_lens, seq_lens = [], [], [], [], []
+        draft_dst, draft_src = [], []  # flat target rows <- flat draft indices
+        last_rows, last_seqs = [], []  # non-speculative sequences that sample one token
+        verify_rows = []  # [len(spec)][block_size]: target rows whose logits verify each block
+        width = self.proposer.block_size if self.proposer else 1
+        for i, (seq, n) in enumerate(zip(seqs, num_new_tokens)):
+            start = seq.num_computed_tokens
+            q = blens[i] or n
+            base = len(ids)
+            for p in range(start, start + q):
+                ids.append(seq.token_at(p) if p < seq.num_tokens else 0)
+                positions.append(p)
+                slots.append(bm.slot(seq, p))
+            if blens[i]:
+                k = len(verify_rows)
+                draft_dst += range(base + 1, base + q)
+                draft_src += range(k * (width - 1), k * (width - 1) + q - 1)
+                verify_rows.append([base + min(j, q - 1) for j in range(width)])
+            elif start + n == seq.num_tokens:
+                last_rows.append(len(ids) - 1)
+                last_seqs.append(seq)
+            q_lens.append(q)
+            seq_lens.append(start + q)
+        input_ids = torch.tensor(ids, dtype=torch.int64, device=dev)
+        if draft_dst:
+            input_ids[torch.tensor(draft_dst, device=dev)] = drafts.view(-1)[
+                torch.tensor(draft_src, device=dev)]
+        pos_t = torch.tensor(positions, dtype=torch.int64, device=dev)
+        meta = AttentionMetadata.build(q_lens, seq_lens, [s.block_table for s in seqs], slots, dev)
+        taps_ids = self.proposer.target_layer_ids if self.proposer else ()
+        hidden, taps = self.model(input_ids, pos_t, meta, taps_ids)
+        if self.proposer is not None:
+            self.proposer.write_context(taps, pos_t, meta.slot_mapping)
+
+        spec_seqs = [seqs[i] for i in spec]
+        rows = last_rows + [r for vr in verify_rows for r in vr]
+        advance = [n if not blens[i] else 0 for i, n in enumerate(num_new_tokens)]
+        if not rows:
+            return StepResult(advance, [], [], [], [], [])
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=dev)]).float()
+        row_seqs = last_seqs + [s for s in spec_seqs for _ in range(width)]
+        st = SamplingTensors.build([s.params for s in row_seqs], [s.generator for s in row_seqs],
+                                   self.model_cfg.vocab_size, dev)
         tokens = sample(logits, st, self.default_generator)
-        logprobs: list[dict[int, float] | None] = [None] * len(inp.sample_seqs)
-        want = [s.params.logprobs for s in inp.sample_seqs]
-        if any(w is not None for w in want):
-            k = max(w or 0 for w in want)
-            chosen, top_vals, top_ids = chosen_logprobs(logits, tokens, k)
-            chosen, top_vals, top_ids = chosen.tolist(), top_vals.tolist(), top_ids.tolist()
-            tok_list = tokens.tolist()
-            for r, w in enumerate(want):
-                if w is not None:
-                    d = {tok_list[r]: chosen[r]}
-                    for j in range(w):
-                        d.setdefault(top_ids[r][j], top_vals[r][j])
-                    logprobs[r] = d
-        return inp.sample_seqs, tokens.tolist(), logprobs
+        acc_t = None
+        if spec_seqs:
+            target = tokens[len(last_rows):].view(len(spec_seqs), width)
+            acc_t = (num_accepted(drafts, target) if drafts is not None
+                     else torch.zeros(len(spec_seqs), dtype=torch.int64, device=dev))
+        lp = self._logprobs(logits, tokens, row_seqs)
+        tok_list = tokens.tolist()  # NOTE: the step's one host sync
+        acc = acc_t.tolist() if acc_t is not None else []
+
+        out_tokens = [[t] for t in tok_list[:len(last_rows)]]
+        out_lp = [[x] for x in lp[:len(last_rows)]]
+        drafted = [0] * len(last_rows)
+        for k, i in enumerate(spec):
+            base = len(last_rows) + k * width
+            a = acc[k]
+            out_tokens.append(tok_list[base:base + a + 1])
+            out_lp.append(lp[base:base + a + 1])
+            drafted.append(blens[i] - 1)
+            advance[i] = a + 1
+        accepted = [0] * len(last_rows) + acc
+        return StepResult(advance, last_seqs + spec_seqs, out_tokens, out_lp, drafted, accepted)
+
+    def _logprobs(self, logits: torch.Tensor, tokens: torch.Tensor,
+                  row_seqs: list[Sequence]) -> list[Logprobs]:
+        want = [s.params.logprobs for s in row_seqs]
+        if all(w is None for w in want):
+            return [None] * len(row_seqs)
+        k = max(w or 0 for w in want)
+        chosen, top_vals, top_ids = (x.tolist() for x in chosen_logprobs(logits, tokens, k))
+        toks = tokens.tolist()
+        out: list[Logprobs] = []
+        for r, w in enumerate(want):
+            if w is None:
+                out.append(None)
+                continue
+            d = {toks[r]: chosen[r]}
+            for j in range(w):
+                d.setdefault(top_ids[r][j], top_vals[r][j])
+            out.append(d)
+        return out

@@ -34,8 +34,9 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
-                 max_num_batched_tokens: int) -> None:
+                 max_num_batched_tokens: int, num_lookahead_slots: int = 0) -> None:
         self.block_manager = block_manager
+        self.num_lookahead_slots = num_lookahead_slots
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -49,9 +50,9 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def lookahead(self, seq: Sequence) -> int:
-        """Extra K/V slots a decoding sequence needs past its next token (speculation)."""
-        return 0
+    def lookahead(self, remaining: int) -> int:
+        """Extra K/V slots a decoding sequence (one uncomputed token) needs for its drafts."""
+        return self.num_lookahead_slots if remaining == 1 else 0
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -59,9 +60,11 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            slots = n + (self.lookahead(seq) if n == seq.num_tokens - seq.num_computed_tokens
-                         else 0)
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            n = min(remaining, budget)
+            slots = n + self.lookahead(remaining)
+            if slots > budget:
+                break
             while not self.block_manager.can_allocate(seq, slots):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -73,7 +76,7 @@ class Scheduler:
             self.block_manager.allocate(seq, slots)
             out.seqs.append(seq)
             out.num_new_tokens.append(n)
-            budget -= n
+            budget -= slots
             i += 1
 
         # NOTE: admit nothing new in a step that had to preempt: the cache is under pressure.
@@ -88,8 +91,8 @@ class Scheduler:
                     seq.metrics.num_cached_tokens = cached
             remaining = seq.num_tokens - seq.num_computed_tokens
             n = min(remaining, budget)
-            slots = n + (self.lookahead(seq) if n == remaining else 0)
-            if not self.block_manager.can_allocate(seq, slots):
+            slots = n + self.lookahead(remaining)
+            if slots > budget or not self.block_manager.can_allocate(seq, slots):
                 if fresh:
                     self.block_manager.free(seq)
                 break
@@ -101,7 +104,7 @@ class Scheduler:
             self.running.append(seq)
             out.seqs.append(seq)
             out.num_new_tokens.append(n)
-            budget -= n
+            budget -= slots
         return out
 
     def _preempt(self, seq: Sequence) -> None:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from blockspec.sampling_params import SamplingParams
+from blockspec.spec.metrics import SpecStats
 
 
 class SequenceStatus(enum.Enum):
@@ -27,6 +28,7 @@ class RequestMetrics:
     num_generated_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first schedule)
     num_preemptions: int = 0
+    spec: SpecStats = field(default_factory=SpecStats)  # empty without a drafter
 
     @property
     def ttft(self) -> float | None:

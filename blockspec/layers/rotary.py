@@ -46,11 +46,20 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq, D], k: [T, Hk, D], positions: [T]."""
-        cos = self.cos_cache[positions].to(q.dtype)
-        sin = self.sin_cache[positions].to(q.dtype)
-        cos = torch.cat((cos, cos), dim=-1).unsqueeze(1)
-        sin = torch.cat((sin, sin), dim=-1).unsqueeze(1)
+        cos, sin = self._cos_sin(positions, q.dtype)
         return _apply(q, cos, sin), _apply(k, cos, sin)
+
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Rotary for one tensor (the drafter's context keys have no queries)."""
+        cos, sin = self._cos_sin(positions, x.dtype)
+        return _apply(x, cos, sin)
+
+    def _cos_sin(self, positions: torch.Tensor,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        cos = self.cos_cache[positions].to(dtype)
+        sin = self.sin_cache[positions].to(dtype)
+        cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+        return cos.unsqueeze(1), sin.unsqueeze(1)
 
 
 def _apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

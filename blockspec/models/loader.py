@@ -46,14 +46,14 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str
     return model.eval().requires_grad_(False)
 
 
-def load_weights(model: nn.Module, path: str | Path) -> None:
+def load_weights(model: nn.Module, path: str | Path, ignore_prefixes: tuple[str, ...] = ()) -> None:
     params = dict(model.named_parameters())
     packed = getattr(model, "packed_modules", {})
     loaded: set[str] = set()
     for file in safetensors_files(path):
         with safe_open(str(file), framework="pt") as f:
             for name in f.keys():
-                if name.endswith(_IGNORED_SUFFIXES):
+                if name.endswith(_IGNORED_SUFFIXES) or name.startswith(ignore_prefixes):
                     continue
                 tensor = f.get_tensor(name)
                 target, shard = _map_name(name, packed)

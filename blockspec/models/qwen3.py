@@ -87,12 +87,16 @@ class DecoderModel(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 hidden_layer_ids: tuple[int, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
         h = self.embed_tokens(input_ids)
-        taps: list[torch.Tensor] = []
+        taps: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
             h = layer(positions, h, meta)
             if i in hidden_layer_ids:
-                taps.append(h)
-        return self.norm(h), taps
+                taps[i] = h
+        out = self.norm(h)
+        # NOTE: HF's last hidden_states entry is after the final norm.
+        if len(self.layers) - 1 in taps:
+            taps[len(self.layers) - 1] = out
+        return out, [taps[i] for i in hidden_layer_ids]
 
 
 class CausalLM(nn.Module):
@@ -114,7 +118,7 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 hidden_layer_ids: tuple[int, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Returns the final-normed hidden states [T, H] and, for each id in `hidden_layer_ids`
-        (ascending), the output of that decoder layer (HF `hidden_states[id + 1]`)."""
+        (in that order), the output of that decoder layer (HF `hidden_states[id + 1]`)."""
         return self.model(input_ids, positions, meta, hidden_layer_ids)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

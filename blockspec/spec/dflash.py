@@ -1,0 +1,117 @@
+"""The DFlash drafter: Qwen3 layers whose K/V come from [target context features ; block states].
+
+Context features are the target's hidden states at `target_layer_ids`, concatenated and fused by
+`fc` + `hidden_norm`. In every layer the context K/V are `k_norm(k_proj(ctx))` (roped) and
+`v_proj(ctx)`; they depend only on the fused features, so `write_context` computes them once per
+committed token into the drafter's paged cache, at the same slots as the target's K/V. The block
+(last committed token, then mask tokens) is embedded with the target's embedding and attends
+non-causally to the cached context and to itself; the target's `lm_head` turns the block's final
+states into draft tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from blockspec.layers.attention import AttentionMetadata, PagedAttention
+from blockspec.layers.norm import RMSNorm
+from blockspec.layers.rotary import RotaryEmbedding
+from blockspec.models.qwen3 import MLP, CausalLM
+from blockspec.spec.config import DFlashConfig
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, cfg: DFlashConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        g = cfg.geometry
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            g.num_attention_heads, g.num_key_value_heads, g.head_dim)
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(g.hidden_size, self.q_size + 2 * self.kv_size,
+                                  bias=g.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, g.hidden_size, bias=g.attention_bias)
+        self.q_norm = RMSNorm(self.head_dim, g.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, g.rms_norm_eps)
+        self.rotary = rotary
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim,
+                                   scale=self.head_dim**-0.5)
+
+    def context_kv(self, ctx: torch.Tensor,
+                   positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of fused context features [T, H] at their absolute positions."""
+        w = self.qkv_proj.weight[self.q_size:]
+        b = None if self.qkv_proj.bias is None else self.qkv_proj.bias[self.q_size:]
+        k, v = F.linear(ctx, w, b).split([self.kv_size, self.kv_size], dim=-1)
+        k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
+        return self.rotary.rotate(positions, k), v.view(-1, self.num_kv_heads, self.head_dim)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = self.q_norm(q.view(-1, self.num_heads, self.head_dim))
+        k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
+        q, k = self.rotary(positions, q, k)
+        out = self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim), meta)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class DraftLayer(nn.Module):
+    def __init__(self, cfg: DFlashConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        g = cfg.geometry
+        self.self_attn = DraftAttention(cfg, rotary)
+        self.mlp = MLP(g)
+        self.input_layernorm = RMSNorm(g.hidden_size, g.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(g.hidden_size, g.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, h: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        h = h + self.self_attn(positions, self.input_layernorm(h), meta)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DFlashDrafter(nn.Module):
+    """Parameter names follow the published checkpoints (no `model.` prefix)."""
+
+    packed_modules = CausalLM.packed_modules
+
+    def __init__(self, cfg: DFlashConfig) -> None:
+        super().__init__()
+        g = cfg.geometry
+        self.config = cfg
+        rotary = RotaryEmbedding(g.head_dim, g.max_position_embeddings, g.rope)
+        self.layers = nn.ModuleList(DraftLayer(cfg, rotary) for _ in range(g.num_hidden_layers))
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * g.hidden_size, g.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(g.hidden_size, g.rms_norm_eps)
+        self.norm = RMSNorm(g.hidden_size, g.rms_norm_eps)
+
+    def shard_sizes(self, packed: str) -> list[int]:
+        g = self.config.geometry
+        if packed == "qkv_proj":
+            kv = g.num_key_value_heads * g.head_dim
+            return [g.num_attention_heads * g.head_dim, kv, kv]
+        return [g.intermediate_size, g.intermediate_size]
+
+    def fuse(self, taps: list[torch.Tensor]) -> torch.Tensor:
+        """Target hidden states at target_layer_ids (config order) -> context features [T, H]."""
+        return self.hidden_norm(self.fc(torch.cat(taps, dim=-1)))
+
+    def write_context(self, ctx: torch.Tensor, positions: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> None:
+        """Stores every layer's context K/V for committed tokens' features."""
+        for layer in self.layers:
+            attn = layer.self_attn.attn
+            k, v = layer.self_attn.context_kv(ctx, positions)
+            attn.backend.store_kv(k, v, attn.k_cache, attn.v_cache, slot_mapping)
+
+    def forward(self, block_embeds: torch.Tensor, positions: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """Block states [T, H] (embedded tokens) -> final-normed states [T, H]. `meta` must be
+        non-causal, with seq_len = context length + block length for each sequence."""
+        h = block_embeds
+        for layer in self.layers:
+            h = layer(positions, h, meta)
+        return self.norm(h)

@@ -1,0 +1,61 @@
+"""Acceptance statistics, per request and aggregated over the engine's life."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpecStats:
+    num_steps: int = 0  # verify steps that carried at least one draft token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    drafted_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+    acceptance_length_hist: Counter = field(default_factory=Counter)  # tau -> steps
+
+    def record(self, drafted: int, accepted: int) -> None:
+        if drafted <= 0:
+            return
+        self.num_steps += 1
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted
+        grow = drafted - len(self.drafted_per_position)
+        if grow > 0:
+            self.drafted_per_position += [0] * grow
+            self.accepted_per_position += [0] * grow
+        for j in range(drafted):
+            self.drafted_per_position[j] += 1
+            self.accepted_per_position[j] += j < accepted
+        self.acceptance_length_hist[accepted + 1] += 1
+
+    def merge(self, other: SpecStats) -> None:
+        for j in range(len(other.drafted_per_position)):
+            while len(self.drafted_per_position) <= j:
+                self.drafted_per_position.append(0)
+                self.accepted_per_position.append(0)
+            self.drafted_per_position[j] += other.drafted_per_position[j]
+            self.accepted_per_position[j] += other.accepted_per_position[j]
+        self.num_steps += other.num_steps
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        self.acceptance_length_hist.update(other.acceptance_length_hist)
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """tau: tokens committed per verify step (accepted drafts + the target's bonus)."""
+        return (self.num_accepted_tokens + self.num_steps) / self.num_steps if self.num_steps \
+            else 0.0
+
+    @property
+    def acceptance_rate_per_position(self) -> list[float]:
+        """P(draft j accepted | drafted), j = 1..B-1 (acceptance is prefix-wise)."""
+        return [a / d if d else 0.0
+                for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
+
+    def summary(self) -> str:
+        rates = " ".join(f"{r:.2f}" for r in self.acceptance_rate_per_position)
+        return (f"acceptance length {self.mean_acceptance_length:.2f} over {self.num_steps} "
+                f"steps; accepted {self.num_accepted_tokens}/{self.num_draft_tokens} drafts; "
+                f"per position: {rates}")

@@ -1,0 +1,86 @@
+"""Session-wide tiny checkpoints, built once with HF transformers' own model classes."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from blockspec.tiny import build_tiny_model
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 256,
+}
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+@pytest.fixture(scope="session")
+def models_root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("models")
+
+
+@pytest.fixture(scope="session")
+def qwen3_path(models_root) -> Path:
+    return build_tiny_model(models_root / "qwen3", arch="qwen3")
+
+
+@pytest.fixture(scope="session")
+def llama_path(models_root) -> Path:
+    return build_tiny_model(models_root / "llama", arch="llama", seed=1)
+
+
+@pytest.fixture(scope="session")
+def llama_tied_path(models_root) -> Path:
+    return build_tiny_model(models_root / "llama-tied", arch="llama", tie_word_embeddings=True,
+                            seed=2)
+
+
+@pytest.fixture(scope="session")
+def llama_rope_path(models_root) -> Path:
+    return build_tiny_model(models_root / "llama-rope3", arch="llama", rope_scaling=LLAMA3_ROPE,
+                            max_position_embeddings=1024, seed=3)
+
+
+@pytest.fixture(scope="session")
+def qwen3_sharded_path(models_root, qwen3_path) -> Path:
+    """The qwen3 weights re-saved by HF in many small shards (model.safetensors.index.json)."""
+    from transformers import AutoModelForCausalLM
+
+    out = models_root / "qwen3-sharded"
+    hf = AutoModelForCausalLM.from_pretrained(str(qwen3_path), dtype=torch.float32)
+    hf.save_pretrained(str(out), max_shard_size="20KB")
+    for name in TOKENIZER_FILES:
+        if (qwen3_path / name).is_file():
+            shutil.copy(qwen3_path / name, out / name)
+    return out
+
+
+@pytest.fixture(scope="session", params=["qwen3", "llama"])
+def arch_path(request) -> Path:
+    """Each supported architecture in turn."""
+    return request.getfixturevalue(f"{request.param}_path")
+
+
+_HF_CACHE: dict[str, torch.nn.Module] = {}
+
+
+@pytest.fixture(scope="session")
+def hf_model():
+    """`hf_model(path)`: the HF transformers model for a folder, fp32, eval mode, cached."""
+    from transformers import AutoModelForCausalLM
+
+    def get(path: Path) -> torch.nn.Module:
+        key = str(path)
+        if key not in _HF_CACHE:
+            model = AutoModelForCausalLM.from_pretrained(key, dtype=torch.float32)
+            _HF_CACHE[key] = model.eval()
+        return _HF_CACHE[key]
+
+    return get

@@ -1,0 +1,79 @@
+"""Shared test helpers (imported by the test modules; pytest puts tests/ on sys.path)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+from blockspec.layers.attention import AttentionMetadata, PagedAttention
+
+PROMPTS = [
+    "def foo(x):",
+    "import json\nclass Encoder:",
+    "x",
+    "The quick brown fox jumps over the lazy dog. " * 3,
+    "    return functools.reduce(lambda a, b: a + b, items)\n",
+]
+
+
+def random_prompts(lengths: list[int], seed: int = 0, vocab: int = 512) -> list[list[int]]:
+    """Token-id prompts of the given lengths (no id 0, the EOS)."""
+    rng = random.Random(seed)
+    return [[rng.randrange(1, vocab) for _ in range(n)] for n in lengths]
+
+
+def assert_no_leaks(llm) -> None:
+    """After a run every KV block is back in the free pool and nothing is left in flight."""
+    engine = llm.engine
+    bm = engine.block_manager
+    assert not engine.has_unfinished()
+    assert not engine.scheduler.running and not engine.scheduler.waiting
+    assert not engine.requests
+    assert bm.num_free_blocks == bm.num_blocks
+    assert all(rc == 0 for rc in bm.ref_counts)
+
+
+@dataclass
+class PagedCache:
+    """A KV cache bound to a model's PagedAttention layers, with hand-built metadata, so model
+    tests exercise the paged path without the scheduler."""
+
+    model: torch.nn.Module
+    num_blocks: int = 64
+    block_size: int = 16
+
+    def __post_init__(self) -> None:
+        layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
+        kv_heads, head_dim = layers[0].num_kv_heads, layers[0].head_dim
+        # Large garbage everywhere: attending to a slot that was never written shows in the logits.
+        gen = torch.Generator().manual_seed(1234)
+        self.cache = 50 * torch.randn(2, len(layers), self.num_blocks, self.block_size, kv_heads,
+                                      head_dim, generator=gen)
+        for i, layer in enumerate(layers):
+            layer.k_cache, layer.v_cache = self.cache[0, i], self.cache[1, i]
+
+    @torch.no_grad()
+    def forward(self, batch: list[tuple[list[int], int, list[int]]],
+                hidden_layer_ids: tuple[int, ...] = ()
+                ) -> tuple[list[torch.Tensor], list[list[torch.Tensor]]]:
+        """batch: per sequence (block_table, num_cached_tokens, new_token_ids). Returns per sequence
+        the logits of its new tokens [q_len, V] and its hidden-state taps."""
+        ids, pos, slots, q_lens, seq_lens, tables = [], [], [], [], [], []
+        for table, start, new in batch:
+            for j, tok in enumerate(new):
+                p = start + j
+                ids.append(tok)
+                pos.append(p)
+                slots.append(table[p // self.block_size] * self.block_size + p % self.block_size)
+            q_lens.append(len(new))
+            seq_lens.append(start + len(new))
+            tables.append(list(table))
+        meta = AttentionMetadata.build(q_lens, seq_lens, tables, slots, "cpu")
+        hidden, taps = self.model(torch.tensor(ids), torch.tensor(pos), meta, hidden_layer_ids)
+        logits = self.model.compute_logits(hidden)
+        splits = list(torch.split(logits, q_lens))
+        tap_splits = [list(torch.split(t, q_lens)) for t in taps]
+        per_seq_taps = [[t[b] for t in tap_splits] for b in range(len(batch))]
+        return splits, per_seq_taps
