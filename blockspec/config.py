@@ -189,6 +189,12 @@ class EngineConfig:
     load_format: str = "auto"  # "dummy": random weights from config.json (benchmarks only)
     draft: str | None = None  # DFlash drafter folder: enables speculative decoding
     block_size: int | None = None  # speculative block (verified tokens); None: the drafter's
+    enforce_eager: bool = False  # CUDA: no graphs
+    attention_backend: str = "auto"  # auto: triton on CUDA, torch on CPU
+    # Benchmark-only: accept each draft position with this probability instead of checking it.
+    # Output is then NOT the target's; `benchmark_mode=True` must be set to use it.
+    synthetic_acceptance: float | None = None
+    benchmark_mode: bool = False
 
     def __post_init__(self) -> None:
         if self.device is None:
@@ -213,6 +219,17 @@ class EngineConfig:
             raise ConfigError(f"block_size must be >= 2, got {self.block_size}")
         if self.block_size is not None and self.draft is None:
             raise ConfigError("block_size is the speculative block length: it needs a draft model")
+        if self.synthetic_acceptance is not None:
+            if not self.benchmark_mode:
+                raise ConfigError("synthetic acceptance is a benchmark-only mode (its output is "
+                                  "not the target's); it is refused outside benchmarks")
+            if not 0.0 <= self.synthetic_acceptance <= 1.0:
+                raise ConfigError("synthetic acceptance must be a probability in [0, 1]")
+            if self.draft is None:
+                raise ConfigError("synthetic acceptance needs a draft model")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ConfigError(f"attention backend must be auto, torch or triton, got "
+                              f"{self.attention_backend!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ConfigError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:

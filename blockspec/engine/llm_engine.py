@@ -42,6 +42,9 @@ class _Request:
     text: str = ""  # output text after stop-string truncation
     emitted_chars: int = 0
     emitted_tokens: int = 0
+    # NOTE: incremental detokenization costs two decodes per token; without streaming or stop
+    # strings the text is decoded once, when the request finishes.
+    incremental: bool = True
 
 
 class LLMEngine:
@@ -78,7 +81,8 @@ class LLMEngine:
                                    config.max_num_batched_tokens, self.lookahead_slots())
         proposer = None
         if drafter is not None:
-            proposer = DFlashProposer(drafter, self.model, self.spec_block_size, num_blocks,
+            # NOTE: +1: the trash block that padded lanes of a graphed step write to.
+            proposer = DFlashProposer(drafter, self.model, self.spec_block_size, num_blocks + 1,
                                       config.kv_block_size, self.dtype, self.device)
         self.runner = ModelRunner(config, mc, self.model, self.block_manager, self.dtype,
                                   self.max_model_len, proposer)
@@ -115,7 +119,9 @@ class LLMEngine:
         return ids
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
+                    request_id: str | None = None, stream: bool = True) -> str:
+        """Queues a request. With `stream=False` (offline generate) the text is produced when the
+        request finishes; intermediate outputs then carry token ids only."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
@@ -137,8 +143,9 @@ class LLMEngine:
             gen = torch.Generator(device=self.device)
             gen.manual_seed(params.seed)
         seq = Sequence(request_id, ids, params, max_tokens, generator=gen)
-        self.requests[request_id] = _Request(seq, prompt if isinstance(prompt, str) else None,
-                                             IncrementalDetokenizer(self.tokenizer))
+        self.requests[request_id] = _Request(
+            seq, prompt if isinstance(prompt, str) else None,
+            IncrementalDetokenizer(self.tokenizer), incremental=stream or bool(params.stop_strs))
         self.scheduler.add(seq)
         return request_id
 
@@ -197,13 +204,17 @@ class LLMEngine:
             eos = not params.ignore_eos and tok in self.eos_token_ids
             # NOTE: like vLLM, a stop token's own text is left out unless asked for.
             stop_tok = eos or tok in params.stop_token_ids
-            if stop_tok and not params.include_stop_str_in_output:
-                delta = req.detok.add([], final=True)
-            else:
-                delta = req.detok.add([tok], final=eos)
-            req.text += delta
-            reason, stop = self._check_stop(req, tok, eos, len(delta))
+            keep = not stop_tok or params.include_stop_str_in_output
+            delta = 0
+            if req.incremental:
+                text = req.detok.add([tok] if keep else [], final=eos or not keep)
+                req.text += text
+                delta = len(text)
+            reason, stop = self._check_stop(req, tok, eos, delta)
             if reason is not None:
+                if not req.incremental:
+                    ids = seq.output_token_ids if keep else seq.output_token_ids[:-1]
+                    req.text = self.tokenizer.decode(ids, skip_special_tokens=True)
                 return reason, stop
         return None
 
@@ -225,7 +236,8 @@ class LLMEngine:
                     else req.text[:i]
                 return "stop", s
         if len(seq.output_token_ids) >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
-            req.text += req.detok.add([], final=True)
+            if req.incremental:
+                req.text += req.detok.add([], final=True)
             return "length", None
         return None, None
 

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from blockspec.config import ConfigError, EngineConfig, ModelConfig
+from blockspec.engine.decode_step import DecodeStep, GraphedDecodeStep, StepBuffers
 from blockspec.engine.kv_cache import BlockManager
 from blockspec.engine.sequence import Sequence
 from blockspec.layers.attention import AttentionMetadata, PagedAttention
@@ -66,14 +68,29 @@ class ModelRunner:
         self.bm = block_manager
         self.max_model_len = max_model_len
         self.proposer = proposer
+        self.synthetic = config.synthetic_acceptance
         self.default_generator = torch.Generator(device=self.device)
         self.default_generator.manual_seed(config.seed)
+        # NOTE: one block more than the manager hands out: the trash block for padded lanes.
+        self.trash_block = block_manager.num_blocks
         layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
-        self.kv_cache = torch.zeros(2, len(layers), block_manager.num_blocks,
+        self.kv_cache = torch.zeros(2, len(layers), block_manager.num_blocks + 1,
                                     block_manager.block_size, model_cfg.num_key_value_heads,
                                     model_cfg.head_dim, dtype=dtype, device=self.device)
         for i, layer in enumerate(layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+        q = proposer.block_size if proposer is not None else 1
+        self.decode = DecodeStep(model, proposer, q, block_manager.block_size, max_model_len,
+                                 config.synthetic_acceptance)
+        max_blocks = -(-(max_model_len + q) // block_manager.block_size)
+        self.bufs = StepBuffers.allocate(config.max_num_seqs, max_blocks, q, self.device)
+        self.bufs.block_tables.fill_(self.trash_block)
+        self.graphs: GraphedDecodeStep | None = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            buckets = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+                       if b < config.max_num_seqs] + [config.max_num_seqs]
+            self.graphs = GraphedDecodeStep(self.decode, self.bufs, buckets)
+            self.graphs.capture()
 
     def block_len(self, seq: Sequence) -> int:
         """Tokens verified for a decoding sequence: its last token plus the drafts."""
@@ -83,8 +100,79 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, seqs: list[Sequence], num_new_tokens: list[int]) -> StepResult:
-        bm, dev = self.bm, self.device
         blens = [self.block_len(s) for s in seqs]
+        q = self.decode.q
+        decoding = all(n == 1 and s.num_computed_tokens == s.num_tokens - 1
+                       for s, n in zip(seqs, num_new_tokens))
+        if decoding and (self.proposer is None or all(b == q for b in blens)):
+            return self._execute_decode(seqs)
+        return self._execute_mixed(seqs, num_new_tokens, blens)
+
+    def _execute_decode(self, seqs: list[Sequence]) -> StepResult:
+        """All sequences decoding with the full block: the fixed-shape (graphable) step."""
+        n, q, bufs = len(seqs), self.decode.q, self.bufs
+        tables = np.full((n, bufs.block_tables.shape[1]), self.trash_block, dtype=np.int32)
+        for i, seq in enumerate(seqs):
+            tables[i, :len(seq.block_table)] = seq.block_table
+        bufs.last_tokens[:n].copy_(torch.tensor([s.token_at(s.num_tokens - 1) for s in seqs]),
+                                   non_blocking=True)
+        bufs.ctx_lens[:n].copy_(torch.tensor([s.num_computed_tokens for s in seqs]),
+                                non_blocking=True)
+        bufs.block_tables[:n].copy_(torch.from_numpy(tables), non_blocking=True)
+        if self.synthetic is not None:
+            bufs.uniforms.uniform_(generator=self.default_generator)
+        bucket = self.graphs.bucket_for(n) if self.graphs is not None else None
+        if bucket is not None:
+            # Padded lanes: trash block, empty context.
+            bufs.block_tables[n:bucket].fill_(self.trash_block)
+            bufs.ctx_lens[n:bucket].zero_()
+            out = self.graphs.replay(n)
+        else:
+            out = self.decode(bufs, n)
+        params = [s.params for s in seqs]
+        target = out.target_tokens[:n]
+        logits = out.logits[:n * q]
+        row_seqs = [s for s in seqs for _ in range(q)]
+        if not all(p.greedy for p in params):
+            st = SamplingTensors.build([s.params for s in row_seqs],
+                                       [s.generator for s in row_seqs],
+                                       self.model_cfg.vocab_size, self.device)
+            target = sample(logits.float(), st, self.default_generator).view(n, q)
+        acc = None
+        if out.drafts is not None:
+            acc = out.num_accepted[:n] if self.synthetic is not None or all(
+                p.greedy for p in params) else num_accepted(out.drafts[:n], target)
+        lp = self._logprobs(logits.float(), target.reshape(-1), row_seqs) if any(
+            p.logprobs is not None for p in params) else [None] * (n * q)
+        return self._emit(seqs, target, out.drafts, acc, lp, q)
+
+    def _emit(self, seqs: list[Sequence], target: torch.Tensor, drafts: torch.Tensor | None,
+              acc: torch.Tensor | None, lp: list[Logprobs], q: int) -> StepResult:
+        """One host sync, then each sequence's committed tokens: accepted drafts + bonus."""
+        n = len(seqs)
+        parts = [target.reshape(n, -1)]
+        if acc is not None:
+            parts += [drafts[:n], acc[:n, None]]
+        host = torch.cat(parts, dim=1).tolist()  # NOTE: the step's one host sync
+        tokens, lps, drafted, accepted = [], [], [], []
+        for i, row in enumerate(host):
+            tgt = row[:q]
+            a = row[-1] if acc is not None else 0
+            if acc is not None and self.synthetic is not None:
+                # Benchmark mode: the drafts themselves are committed (their K/V are in the cache).
+                toks = row[q:q + a] + [tgt[a]]
+            else:
+                toks = tgt[:a + 1]
+            tokens.append(toks)
+            lps.append(lp[i * q:i * q + a + 1])
+            drafted.append(q - 1 if acc is not None else 0)
+            accepted.append(a)
+        return StepResult([len(t) for t in tokens], list(seqs), tokens, lps, drafted, accepted)
+
+    def _execute_mixed(self, seqs: list[Sequence], num_new_tokens: list[int],
+                       blens: list[int]) -> StepResult:
+        """Any mix of prefill chunks, decodes and (possibly short) speculative blocks."""
+        bm, dev = self.bm, self.device
         spec = [i for i, b in enumerate(blens) if b >= 1]
         drafts = None
         if any(blens[i] >= 2 for i in spec):
@@ -145,9 +233,14 @@ class ModelRunner:
             target = tokens[len(last_rows):].view(len(spec_seqs), width)
             acc_t = (num_accepted(drafts, target) if drafts is not None
                      else torch.zeros(len(spec_seqs), dtype=torch.int64, device=dev))
+            if self.synthetic is not None and drafts is not None:
+                u = torch.rand(drafts.shape, generator=self.default_generator, device=dev)
+                hits = (u < self.synthetic) & (drafts >= 0)
+                acc_t = hits.to(torch.int64).cumprod(dim=1).sum(dim=1)
         lp = self._logprobs(logits, tokens, row_seqs)
         tok_list = tokens.tolist()  # NOTE: the step's one host sync
         acc = acc_t.tolist() if acc_t is not None else []
+        draft_list = drafts.tolist() if self.synthetic is not None and drafts is not None else []
 
         out_tokens = [[t] for t in tok_list[:len(last_rows)]]
         out_lp = [[x] for x in lp[:len(last_rows)]]
@@ -155,7 +248,10 @@ class ModelRunner:
         for k, i in enumerate(spec):
             base = len(last_rows) + k * width
             a = acc[k]
-            out_tokens.append(tok_list[base:base + a + 1])
+            if draft_list:  # benchmark mode: accepted drafts are committed as drafted
+                out_tokens.append(draft_list[k][:a] + [tok_list[base + a]])
+            else:
+                out_tokens.append(tok_list[base:base + a + 1])
             out_lp.append(lp[base:base + a + 1])
             drafted.append(blens[i] - 1)
             advance[i] = a + 1

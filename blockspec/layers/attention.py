@@ -19,7 +19,7 @@ from torch import nn
 
 @dataclass
 class AttentionMetadata:
-    slot_mapping: torch.Tensor  # [T] int64, where each new token's K/V is written (-1: nowhere)
+    slot_mapping: torch.Tensor  # [T] int64, where each new token's K/V is written
     cu_seqlens_q: torch.Tensor  # [B+1] int32, query tokens of sequence b: [cu[b], cu[b+1])
     seq_lens: torch.Tensor  # [B] int32, keys visible to sequence b (cached + new)
     block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
@@ -86,9 +86,7 @@ class TorchAttentionBackend:
     name = "torch"
 
     def store_kv(self, k, v, k_cache, v_cache, slot_mapping) -> None:
-        valid = slot_mapping >= 0
-        if not bool(valid.all()):
-            k, v, slot_mapping = k[valid], v[valid], slot_mapping[valid]
+        # NOTE: every slot must be valid (padded lanes point at the trash block): no host sync.
         k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
         v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
 
@@ -130,6 +128,11 @@ _BACKENDS: dict[str, AttentionBackend] = {"torch": TorchAttentionBackend()}
 
 
 def get_backend(name: str) -> AttentionBackend:
+    if name == "triton" and name not in _BACKENDS:
+        # NOTE: imported on first use so that blockspec itself does not need triton.
+        from blockspec.layers.triton_attention import TritonAttentionBackend
+
+        _BACKENDS[name] = TritonAttentionBackend()
     try:
         return _BACKENDS[name]
     except KeyError:

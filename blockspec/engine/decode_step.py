@@ -1,0 +1,148 @@
+"""The fixed-shape decode step: plain decode (Q = 1) or one whole speculative step
+(draft -> verify -> write draft context -> pick -> accept, Q = block size), for a batch of
+sequences that are all decoding. Everything is computed on the device from a few static input
+buffers, so the same code runs eagerly (CPU, `--enforce-eager`) and as one CUDA graph per batch
+bucket.
+
+NOTE: padded lanes of a bucket read and write only the trash block (the KV pools have one block
+more than the block manager hands out), so replaying a bucket larger than the batch is harmless.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from blockspec.layers.attention import AttentionMetadata
+from blockspec.models.qwen3 import CausalLM
+from blockspec.spec.proposer import DFlashProposer
+from blockspec.spec.verify import num_accepted
+
+
+@dataclass
+class StepBuffers:
+    """Static inputs shared by every bucket (bucket b uses the first b rows)."""
+
+    last_tokens: torch.Tensor  # [S] int64: each sequence's newest token (not yet in the cache)
+    ctx_lens: torch.Tensor  # [S] int64: tokens already in the cache (= position of last token)
+    block_tables: torch.Tensor  # [S, max_blocks] int32
+    uniforms: torch.Tensor  # [S, Q-1] fp32: synthetic-acceptance draws (benchmarks only)
+
+    @classmethod
+    def allocate(cls, max_seqs: int, max_blocks: int, q: int,
+                 device: torch.device) -> StepBuffers:
+        return cls(
+            last_tokens=torch.zeros(max_seqs, dtype=torch.int64, device=device),
+            ctx_lens=torch.zeros(max_seqs, dtype=torch.int64, device=device),
+            block_tables=torch.zeros(max_seqs, max_blocks, dtype=torch.int32, device=device),
+            uniforms=torch.ones(max_seqs, max(q - 1, 1), dtype=torch.float32, device=device),
+        )
+
+
+@dataclass
+class StepOutputs:
+    target_tokens: torch.Tensor  # [S, Q] the target's greedy picks (argmax)
+    logits: torch.Tensor  # [S * Q, V], for sampling and logprobs
+    drafts: torch.Tensor | None  # [S, Q-1]
+    num_accepted: torch.Tensor | None  # [S] accepted drafts under greedy (or synthetic) rules
+
+
+class DecodeStep:
+    def __init__(self, model: CausalLM, proposer: DFlashProposer | None, q: int,
+                 kv_block_size: int, max_seq_len: int,
+                 synthetic_acceptance: float | None = None) -> None:
+        self.model = model
+        self.proposer = proposer
+        self.q = q
+        self.kv_block_size = kv_block_size
+        self.max_seq_len = max_seq_len
+        self.synthetic_acceptance = synthetic_acceptance
+
+    def metadata(self, bufs: StepBuffers, s: int, causal: bool
+                 ) -> tuple[torch.Tensor, AttentionMetadata]:
+        q, bs = self.q, self.kv_block_size
+        dev = bufs.ctx_lens.device
+        ctx = bufs.ctx_lens[:s]
+        tables = bufs.block_tables[:s]
+        positions = ctx[:, None] + torch.arange(q, device=dev)[None, :]
+        blocks = tables.gather(1, (positions // bs).to(torch.int64)).to(torch.int64)
+        slots = (blocks * bs + positions % bs).reshape(-1)
+        meta = AttentionMetadata(
+            slot_mapping=slots,
+            cu_seqlens_q=torch.arange(0, (s + 1) * q, q, dtype=torch.int32, device=dev),
+            seq_lens=(ctx + q).to(torch.int32),
+            block_tables=tables,
+            max_query_len=q,
+            max_seq_len=self.max_seq_len,
+            causal=causal,
+            token_seq_idx=torch.arange(s, device=dev).repeat_interleave(q),
+            token_q_idx=torch.arange(q, device=dev).repeat(s),
+        )
+        return positions.reshape(-1), meta
+
+    def __call__(self, bufs: StepBuffers, s: int) -> StepOutputs:
+        q = self.q
+        positions, meta = self.metadata(bufs, s, causal=True)
+        last = bufs.last_tokens[:s]
+        drafts = None
+        if self.proposer is not None and q > 1:
+            p = self.proposer
+            mask = torch.full((s, q - 1), p.mask_token_id, dtype=torch.int64, device=last.device)
+            block = torch.cat([last[:, None], mask], dim=1).reshape(-1)
+            draft_meta = AttentionMetadata(**{**meta.__dict__, "causal": False})
+            hidden = p.drafter(self.model.model.embed_tokens(block), positions, draft_meta)
+            hidden = hidden.view(s, q, -1)[:, 1:]
+            drafts = self.model.compute_logits(hidden).argmax(dim=-1)
+            ids = torch.cat([last[:, None], drafts], dim=1).reshape(-1)
+        else:
+            ids = last
+        tap_ids = self.proposer.target_layer_ids if self.proposer is not None else ()
+        hidden, taps = self.model(ids, positions, meta, tap_ids)
+        if self.proposer is not None:
+            self.proposer.write_context(taps, positions, meta.slot_mapping)
+        logits = self.model.compute_logits(hidden)
+        target = logits.argmax(dim=-1).view(s, q)
+        acc = None
+        if drafts is not None:
+            if self.synthetic_acceptance is not None:
+                hits = bufs.uniforms[:s, : q - 1] < self.synthetic_acceptance
+                acc = hits.to(torch.int64).cumprod(dim=1).sum(dim=1)
+            else:
+                acc = num_accepted(drafts, target)
+        return StepOutputs(target, logits, drafts, acc)
+
+
+class GraphedDecodeStep:
+    """One CUDA graph per batch bucket; replay pads the batch up to the bucket."""
+
+    def __init__(self, step: DecodeStep, bufs: StepBuffers, buckets: list[int]) -> None:
+        self.step = step
+        self.bufs = bufs
+        self.buckets = sorted(buckets)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, StepOutputs] = {}
+
+    def capture(self) -> None:
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream()
+        # NOTE: largest first, so smaller graphs reuse the pool's memory.
+        for s in reversed(self.buckets):
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # warm-up: lazy inits, autotuning, allocator growth
+                    self.step(self.bufs, s)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.outputs[s] = self.step(self.bufs, s)
+            self.graphs[s] = graph
+        torch.cuda.synchronize()
+
+    def bucket_for(self, n: int) -> int | None:
+        return next((b for b in self.buckets if b >= n), None)
+
+    def replay(self, n: int) -> StepOutputs:
+        s = self.bucket_for(n)
+        self.graphs[s].replay()
+        return self.outputs[s]
