@@ -22,8 +22,8 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-model-len", type=int, default=None,
                    help="context length (default: the model's max_position_embeddings)")
     g.add_argument("--kv-cache-memory", type=float, default=None, metavar="GiB",
-                   help="KV-cache budget in GiB (default: 1 on CPU, 90%% of free memory minus "
-                        "2 GiB on CUDA)")
+                   help="KV-cache budget in GiB (default: 1 on CPU; on CUDA what remains of "
+                        "--gpu-memory-utilization after weights and a profiled warm-up)")
     g.add_argument("--num-kv-blocks", type=int, default=None,
                    help="exact number of KV blocks (overrides --kv-cache-memory)")
     g.add_argument("--kv-block-size", type=int, default=16, help="tokens per KV block")
@@ -32,6 +32,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="token budget per step (prefills are chunked to fit)")
     g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
+    g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="CUDA: fraction of GPU memory for weights, activations and KV cache")
+    g.add_argument("--enforce-eager", action="store_true", help="CUDA: do not use CUDA graphs")
+    g.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto",
+                   help="auto: triton on CUDA, torch on CPU")
     d = p.add_argument_group("speculative decoding")
     d.add_argument("--draft", default=None,
                    help="DFlash drafter folder (published checkpoint format): enables DFlash")
@@ -48,6 +53,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
         draft=args.draft, block_size=args.block_size,
+        gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
+        attention_backend=args.attention_backend,
     )
 
 

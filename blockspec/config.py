@@ -181,7 +181,9 @@ class EngineConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     kv_block_size: int = 16
-    kv_cache_memory_gb: float | None = None  # None: 1 GiB on CPU, 90% of free memory on CUDA
+    kv_cache_memory_gb: float | None = None  # None: 1 GiB on CPU; on CUDA what is left of
+    # gpu_memory_utilization x total after weights and a profiled warm-up forward
+    gpu_memory_utilization: float = 0.9
     num_kv_blocks: int | None = None  # overrides the memory budget (tests, debugging)
     enable_prefix_caching: bool = True
     seed: int = 0
@@ -213,6 +215,8 @@ class EngineConfig:
             raise ConfigError("max_num_batched_tokens must be positive")
         if self.kv_block_size <= 0 or self.kv_block_size & (self.kv_block_size - 1):
             raise ConfigError("kv_block_size must be a positive power of two")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ConfigError("gpu_memory_utilization must be in (0, 1]")
         if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
             raise ConfigError("kv cache memory budget must be positive")
         if self.block_size is not None and self.block_size < 2:

@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
-import shutil
+import os
+
+import torch
+
+# NOTE: Triton reads TRITON_INTERPRET at its first import, which importing blockspec triggers;
+# on a machine without a GPU the kernels must run in the interpreter.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import shutil  # noqa: E402
 from pathlib import Path
 
 import pytest

@@ -238,3 +238,17 @@ def test_request_outputs_carry_spec_metrics(qwen3_path, drafter16):
     assert 1.0 <= spec.mean_acceptance_length <= 4.0
     assert math.isclose(spec.mean_acceptance_length * spec.num_steps,
                         spec.num_accepted_tokens + spec.num_steps)
+
+
+def test_synthetic_acceptance_is_benchmark_only(qwen3_path, drafter16, prompts32):
+    with pytest.raises(ConfigError, match="benchmark-only"):
+        LLM(str(qwen3_path), device="cpu", draft=str(drafter16), synthetic_acceptance=0.8)
+    llm = LLM(str(qwen3_path), device="cpu", num_kv_blocks=512, draft=str(drafter16),
+              block_size=8, synthetic_acceptance=0.8, benchmark_mode=True)
+    outs = llm.generate(prompts32[:16], SamplingParams(temperature=0, max_tokens=48,
+                                                       ignore_eos=True))
+    assert all(len(o.token_ids) == 48 for o in outs)
+    # E[tau] = sum_{k<B} a^k for i.i.d. per-position acceptance.
+    expected = (1 - 0.8**8) / (1 - 0.8)
+    assert abs(llm.engine.spec_stats.mean_acceptance_length - expected) < 0.4
+    assert_no_leaks(llm)

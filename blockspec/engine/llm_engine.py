@@ -15,9 +15,15 @@ import torch
 from blockspec.config import ConfigError, EngineConfig, ModelConfig
 from blockspec.engine.detokenizer import IncrementalDetokenizer
 from blockspec.engine.kv_cache import BlockManager
-from blockspec.engine.model_runner import ModelRunner, decide_num_blocks, kv_bytes_per_block
+from blockspec.engine.model_runner import (
+    ModelRunner,
+    decide_num_blocks,
+    kv_bytes_per_block,
+    profile_activation_bytes,
+)
 from blockspec.engine.scheduler import Scheduler
 from blockspec.engine.sequence import Sequence
+from blockspec.layers.attention import PagedAttention, get_backend
 from blockspec.models.loader import load_model
 from blockspec.outputs import RequestOutput
 from blockspec.sampling_params import SamplingParams
@@ -67,14 +73,23 @@ class LLMEngine:
         drafter = None
         self.spec_block_size = 0
         if config.draft is not None:
-            drafter = load_drafter(config.draft, mc, self.max_model_len, self.dtype, self.device)
+            drafter = load_drafter(config.draft, mc, self.max_model_len, self.dtype, self.device,
+                                   config.load_format)
             self.spec_block_size = config.block_size or drafter.config.block_size
             if config.max_num_batched_tokens < self.spec_block_size:
                 raise ConfigError(f"max_num_batched_tokens ({config.max_num_batched_tokens}) "
                                   f"must be >= the block size ({self.spec_block_size})")
             per_block += drafter_kv_bytes_per_block(drafter.config, config.kv_block_size,
                                                     self.dtype)
-        num_blocks = decide_num_blocks(config, per_block)
+        self._set_attention_backend(drafter)
+        activation = 0
+        if self.device.type == "cuda" and config.num_kv_blocks is None \
+                and config.kv_cache_memory_gb is None:
+            activation = profile_activation_bytes(
+                self.model, min(config.max_num_batched_tokens, self.max_model_len),
+                config.max_num_seqs * max(self.spec_block_size, 1), config.kv_block_size,
+                self.dtype)
+        num_blocks = decide_num_blocks(config, per_block, activation)
         self.block_manager = BlockManager(num_blocks, config.kv_block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
@@ -89,6 +104,17 @@ class LLMEngine:
         self.spec_stats = SpecStats()
         self.requests: dict[str, _Request] = {}
         self._ids = itertools.count()
+
+    def _set_attention_backend(self, drafter: torch.nn.Module | None) -> None:
+        name = self.config.attention_backend
+        if name == "auto":
+            name = "triton" if self.device.type == "cuda" else "torch"
+        backend = get_backend(name)
+        for model in (self.model, drafter):
+            for m in model.modules() if model is not None else ():
+                if isinstance(m, PagedAttention):
+                    m.backend = backend
+        self.attention_backend = name
 
     def _eos_ids(self) -> tuple[int, ...]:
         ids = set(self.model_config.eos_token_ids)

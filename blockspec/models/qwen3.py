@@ -8,11 +8,11 @@ into single matmuls; the loader splits HF's separate weights into them.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from blockspec.config import ModelConfig
 from blockspec.layers.attention import AttentionMetadata, PagedAttention
+from blockspec.layers.fused import fused_add_rms_norm, qk_norm_rope_store, rms_norm, silu_and_mul
 from blockspec.layers.norm import RMSNorm
 from blockspec.layers.rotary import RotaryEmbedding
 
@@ -37,14 +37,16 @@ class Attention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        out = self.attn(q, k, v, meta)
+        attn = self.attn
+        # One fused pass: q/k norm, rotary, K/V into the paged cache; q comes back roped.
+        q = qk_norm_rope_store(
+            self.qkv_proj(x), positions, self.rotary.cos_cache, self.rotary.sin_cache,
+            self.num_heads, self.num_kv_heads, self.head_dim,
+            self.q_norm.weight if self.qk_norm else None,
+            self.k_norm.weight if self.qk_norm else None,
+            self.q_norm.eps if self.qk_norm else 0.0, attn.k_cache, attn.v_cache,
+            meta.slot_mapping)
+        out = attn(q, None, None, meta)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
@@ -57,8 +59,7 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -68,11 +69,8 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-
-    def forward(self, positions: torch.Tensor, h: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        h = h + self.self_attn(positions, self.input_layernorm(h), meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    # NOTE: no forward here: DecoderModel runs the layers with the residual add fused into
+    # each RMSNorm.
 
 
 class DecoderModel(nn.Module):
@@ -88,14 +86,24 @@ class DecoderModel(nn.Module):
                 hidden_layer_ids: tuple[int, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
         h = self.embed_tokens(input_ids)
         taps: dict[int, torch.Tensor] = {}
+        residual = None
+        # NOTE: the residual add is fused into the next RMSNorm, so the output of layer i - 1
+        # (h + residual) only exists inside layer i, right after that add.
         for i, layer in enumerate(self.layers):
-            h = layer(positions, h, meta)
-            if i in hidden_layer_ids:
-                taps[i] = h
-        out = self.norm(h)
+            norm = layer.input_layernorm
+            if residual is None:
+                x, residual = rms_norm(h, norm.weight, norm.eps), h
+            else:
+                x, residual = fused_add_rms_norm(h, residual, norm.weight, norm.eps)
+            if i - 1 in hidden_layer_ids:
+                taps[i - 1] = residual
+            x = layer.self_attn(positions, x, meta)
+            norm = layer.post_attention_layernorm
+            x, residual = fused_add_rms_norm(x, residual, norm.weight, norm.eps)
+            h = layer.mlp(x)
+        out, _ = fused_add_rms_norm(h, residual, self.norm.weight, self.norm.eps)
         # NOTE: HF's last hidden_states entry is after the final norm.
-        if len(self.layers) - 1 in taps:
-            taps[len(self.layers) - 1] = out
+        taps[len(self.layers) - 1] = out
         return out, [taps[i] for i in hidden_layer_ids]
 
 

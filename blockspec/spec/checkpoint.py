@@ -14,15 +14,16 @@ from blockspec.spec.config import DFlashConfig, default_target_layer_ids
 from blockspec.spec.dflash import DFlashDrafter
 
 
-def unfused_state_dict(drafter: DFlashDrafter) -> dict[str, torch.Tensor]:
+def unfused_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """HF names for a model with fused qkv_proj / gate_up_proj (drafter or target)."""
     out: dict[str, torch.Tensor] = {}
-    for name, t in drafter.state_dict().items():
+    for name, t in model.state_dict().items():
         module = name.split(".")[-2] if "." in name else ""
         if module in ("qkv_proj", "gate_up_proj"):
             prefix, suffix = name.rsplit(".", 2)[0], name.rsplit(".", 1)[1]
             parts = ["q_proj", "k_proj", "v_proj"] if module == "qkv_proj" \
                 else ["gate_proj", "up_proj"]
-            for part, piece in zip(parts, t.split(drafter.shard_sizes(module), dim=0)):
+            for part, piece in zip(parts, t.split(model.shard_sizes(module), dim=0)):
                 out[f"{prefix}.{part}.{suffix}"] = piece.contiguous()
         else:
             out[name] = t.contiguous()

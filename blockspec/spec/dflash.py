@@ -16,6 +16,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockspec.layers.attention import AttentionMetadata, PagedAttention
+from blockspec.layers.fused import (
+    fused_add_rms_norm,
+    k_norm_rope_store,
+    qk_norm_rope_store,
+    rms_norm,
+)
 from blockspec.layers.norm import RMSNorm
 from blockspec.layers.rotary import RotaryEmbedding
 from blockspec.models.qwen3 import MLP, CausalLM
@@ -39,22 +45,24 @@ class DraftAttention(nn.Module):
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim,
                                    scale=self.head_dim**-0.5)
 
-    def context_kv(self, ctx: torch.Tensor,
-                   positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K/V of fused context features [T, H] at their absolute positions."""
+    def write_context(self, ctx: torch.Tensor, positions: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> None:
+        """K/V of fused context features [T, H] at their absolute positions, into the cache."""
         w = self.qkv_proj.weight[self.q_size:]
         b = None if self.qkv_proj.bias is None else self.qkv_proj.bias[self.q_size:]
-        k, v = F.linear(ctx, w, b).split([self.kv_size, self.kv_size], dim=-1)
-        k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
-        return self.rotary.rotate(positions, k), v.view(-1, self.num_kv_heads, self.head_dim)
+        k_norm_rope_store(F.linear(ctx, w, b), positions, self.rotary.cos_cache,
+                          self.rotary.sin_cache, self.num_kv_heads, self.head_dim,
+                          self.k_norm.weight, self.k_norm.eps, self.attn.k_cache,
+                          self.attn.v_cache, slot_mapping)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = self.q_norm(q.view(-1, self.num_heads, self.head_dim))
-        k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
-        q, k = self.rotary(positions, q, k)
-        out = self.attn(q, k, v.view(-1, self.num_kv_heads, self.head_dim), meta)
+        q = qk_norm_rope_store(
+            self.qkv_proj(x), positions, self.rotary.cos_cache, self.rotary.sin_cache,
+            self.num_heads, self.num_kv_heads, self.head_dim, self.q_norm.weight,
+            self.k_norm.weight, self.q_norm.eps, self.attn.k_cache, self.attn.v_cache,
+            meta.slot_mapping)
+        out = self.attn(q, None, None, meta)
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
@@ -66,11 +74,7 @@ class DraftLayer(nn.Module):
         self.mlp = MLP(g)
         self.input_layernorm = RMSNorm(g.hidden_size, g.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(g.hidden_size, g.rms_norm_eps)
-
-    def forward(self, positions: torch.Tensor, h: torch.Tensor,
-                meta: AttentionMetadata) -> torch.Tensor:
-        h = h + self.self_attn(positions, self.input_layernorm(h), meta)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    # NOTE: no forward: DFlashDrafter runs the layers with the residual add fused into each norm.
 
 
 class DFlashDrafter(nn.Module):
@@ -97,21 +101,28 @@ class DFlashDrafter(nn.Module):
 
     def fuse(self, taps: list[torch.Tensor]) -> torch.Tensor:
         """Target hidden states at target_layer_ids (config order) -> context features [T, H]."""
-        return self.hidden_norm(self.fc(torch.cat(taps, dim=-1)))
+        return rms_norm(self.fc(torch.cat(taps, dim=-1)), self.hidden_norm.weight,
+                        self.hidden_norm.eps)
 
     def write_context(self, ctx: torch.Tensor, positions: torch.Tensor,
                       slot_mapping: torch.Tensor) -> None:
         """Stores every layer's context K/V for committed tokens' features."""
         for layer in self.layers:
-            attn = layer.self_attn.attn
-            k, v = layer.self_attn.context_kv(ctx, positions)
-            attn.backend.store_kv(k, v, attn.k_cache, attn.v_cache, slot_mapping)
+            layer.self_attn.write_context(ctx, positions, slot_mapping)
 
     def forward(self, block_embeds: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         """Block states [T, H] (embedded tokens) -> final-normed states [T, H]. `meta` must be
         non-causal, with seq_len = context length + block length for each sequence."""
-        h = block_embeds
+        h, residual = block_embeds, None
         for layer in self.layers:
-            h = layer(positions, h, meta)
-        return self.norm(h)
+            norm = layer.input_layernorm
+            if residual is None:
+                x, residual = rms_norm(h, norm.weight, norm.eps), h
+            else:
+                x, residual = fused_add_rms_norm(h, residual, norm.weight, norm.eps)
+            x = layer.self_attn(positions, x, meta)
+            norm = layer.post_attention_layernorm
+            x, residual = fused_add_rms_norm(x, residual, norm.weight, norm.eps)
+            h = layer.mlp(x)
+        return fused_add_rms_norm(h, residual, self.norm.weight, self.norm.eps)[0]

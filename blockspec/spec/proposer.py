@@ -14,14 +14,14 @@ import torch
 
 from blockspec.config import ConfigError, ModelConfig
 from blockspec.layers.attention import AttentionMetadata, PagedAttention
-from blockspec.models.loader import load_weights
+from blockspec.models.loader import init_dummy_weights, load_weights
 from blockspec.models.qwen3 import CausalLM
 from blockspec.spec.config import DFlashConfig
 from blockspec.spec.dflash import DFlashDrafter
 
 
 def load_drafter(path: str, target_cfg: ModelConfig, max_model_len: int, dtype: torch.dtype,
-                 device: torch.device) -> DFlashDrafter:
+                 device: torch.device, load_format: str = "auto") -> DFlashDrafter:
     cfg = DFlashConfig.from_pretrained(path)
     cfg.validate_pair(target_cfg)
     # NOTE: the drafter's rotary table must cover every position the target can reach.
@@ -36,7 +36,10 @@ def load_drafter(path: str, target_cfg: ModelConfig, max_model_len: int, dtype: 
     finally:
         torch.set_default_dtype(prev)
     drafter.eval().requires_grad_(False)
-    load_weights(drafter, path, ignore_prefixes=("embed_tokens.", "lm_head.", "model."))
+    if load_format == "dummy":
+        init_dummy_weights(drafter, seed=1)
+    else:
+        load_weights(drafter, path, ignore_prefixes=("embed_tokens.", "lm_head.", "model."))
     return drafter
 
 

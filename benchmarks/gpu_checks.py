@@ -1,0 +1,140 @@
+"""GPU correctness checks of the fast path (issue 4), before timing anything.
+
+1. Triton paged attention == torch reference on CUDA (bf16, Qwen3-8B heads, decode / verify /
+   prefill / non-causal drafter blocks, long contexts that take the split-KV path).
+2. Fused kernels == their torch twins on CUDA.
+3. Tiny Qwen3 on CUDA, fp32: greedy with CUDA graphs == eager == HF `generate`; DFlash with graphs
+   == autoregressive; batches that do not fill their graph bucket; requests finishing mid-batch.
+
+Usage: python benchmarks/gpu_checks.py [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from blockspec import LLM, SamplingParams
+from blockspec.layers import fused
+from blockspec.layers.attention import AttentionMetadata, TorchAttentionBackend
+from blockspec.layers.triton_attention import TritonAttentionBackend
+from blockspec.spec.checkpoint import build_random_drafter
+from blockspec.tiny import build_tiny_model
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
+
+
+def check_attention(report: dict) -> None:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    bs, hkv, hq, d = 16, 8, 32, 128
+    nblocks = 2048
+    kc = torch.randn(nblocks, bs, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    vc = torch.randn(nblocks, bs, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    cases = {"decode": ([1] * 8, [37, 512, 1025, 3000, 16, 1, 700, 4096], True),
+             "verify": ([16] * 6, [16, 530, 1100, 2048, 77, 4000], True),
+             "prefill": ([300, 1, 64, 512], [300, 900, 64, 512], True),
+             "draft": ([16] * 5, [16, 600, 1200, 33, 2500], False)}
+    torch_b, triton_b = TorchAttentionBackend(), TritonAttentionBackend()
+    perm = torch.randperm(nblocks, generator=torch.Generator().manual_seed(1)).tolist()
+    for name, (qlens, slens, causal) in cases.items():
+        tables, used = [], 0
+        for s in slens:
+            n = -(-s // bs)
+            tables.append(perm[used:used + n])
+            used += n
+        meta = AttentionMetadata.build(qlens, slens, tables, [0] * sum(qlens), "cuda",
+                                       causal=causal)
+        q = torch.randn(sum(qlens), hq, d, device="cuda", dtype=torch.bfloat16, generator=g)
+        ref = torch_b.attend(q, kc, vc, meta, d**-0.5)
+        out = triton_b.attend(q, kc, vc, meta, d**-0.5)
+        err = rel_err(out, ref)
+        report[f"attention_{name}_rel_err"] = err
+        print(f"triton attention {name}: rel err {err:.2e}")
+        assert err < 2e-2, name
+
+
+def check_fused(report: dict) -> None:
+    g = torch.Generator(device="cuda").manual_seed(2)
+    x = torch.randn(37, 4096, device="cuda", dtype=torch.bfloat16, generator=g)
+    r = torch.randn(37, 4096, device="cuda", dtype=torch.bfloat16, generator=g)
+    w = torch.randn(4096, device="cuda", dtype=torch.bfloat16, generator=g)
+    y, nr = fused.fused_add_rms_norm(x, r, w, 1e-6)
+    y0, nr0 = fused.fused_add_rms_norm(x, r, w, 1e-6, use_triton=False)
+    gu = torch.randn(37, 2 * 12288, device="cuda", dtype=torch.bfloat16, generator=g)
+    errs = {"add_rms_norm": rel_err(y, y0), "residual": rel_err(nr, nr0),
+            "silu_and_mul": rel_err(fused.silu_and_mul(gu),
+                                    fused.silu_and_mul(gu, use_triton=False))}
+    report["fused_rel_err"] = errs
+    print(f"fused kernels: {errs}")
+    assert all(e < 1e-2 for e in errs.values())
+
+
+def check_engine(tmp: Path, report: dict) -> None:
+    target = build_tiny_model(tmp / "qwen3", arch="qwen3")
+    drafter = build_random_drafter(tmp / "drafter", target, num_layers=2, block_size=8)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, 500, (int(n),), generator=g).tolist()
+               for n in torch.randint(3, 200, (13,), generator=g)]
+    # Different max_tokens: requests finish mid-batch and the batch shrinks across buckets.
+    params = [SamplingParams(temperature=0, max_tokens=8 + 5 * i, ignore_eos=True)
+              for i in range(13)]
+    kw = dict(device="cuda", dtype="float32", num_kv_blocks=512, max_num_seqs=16)
+    runs = {}
+    for name, extra in (("graphs", {}), ("eager", {"enforce_eager": True}),
+                        ("torch_backend_eager", {"enforce_eager": True,
+                                                 "attention_backend": "torch"}),
+                        ("dflash_graphs", {"draft": str(drafter)}),
+                        ("dflash_eager", {"draft": str(drafter), "enforce_eager": True})):
+        llm = LLM(str(target), **kw, **extra)
+        runs[name] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        bm = llm.engine.block_manager
+        assert bm.num_used_blocks == 0, f"{name}: leaked blocks"
+        del llm
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).cuda().eval()
+    ref = []
+    for p, sp in zip(prompts, params):
+        y = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=sp.max_tokens,
+                        do_sample=False, eos_token_id=None, pad_token_id=0)
+        ref.append(y[0, len(p):].tolist())
+    for name, toks in runs.items():
+        report[f"engine_{name}_equals_hf"] = toks == ref
+        print(f"tiny qwen3 fp32 {name} == HF generate: {toks == ref}")
+    assert all(toks == ref for toks in runs.values())
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="gpu_checks.json")
+    args = ap.parse_args()
+    report: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    ok = True
+    for check in (check_attention, check_fused):
+        try:
+            check(report)
+        except Exception as e:  # keep going: report every failing check
+            ok = False
+            report[f"{check.__name__}_error"] = repr(e)
+            print(f"FAILED {check.__name__}: {e!r}")
+    with tempfile.TemporaryDirectory() as d:
+        try:
+            check_engine(Path(d), report)
+        except Exception as e:
+            ok = False
+            report["check_engine_error"] = repr(e)
+            print(f"FAILED check_engine: {e!r}")
+    report["all_passed"] = ok
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,265 @@
+"""Triton paged attention with the semantics of `TorchAttentionBackend` (see attention.py).
+
+One kernel serves every query length. A program owns (sequence, query tile, KV head); its BLOCK_M
+rows pack the GQA group's query heads (row r = token r // GROUP, head r % GROUP), so each K/V tile
+is loaded once per group and even a single decode token fills a tensor-core-sized M. Keys are
+walked in BLOCK_N tiles whose block ids are gathered per key from the block table, so any
+power-of-two KV block size works. Online softmax runs in fp32, in the exp2 domain.
+
+For short queries over long contexts (decode, verify, drafter blocks) the key range can be split
+NUM_SPLITS ways (flash-decoding): each split writes a partial output and its log-sum-exp, and a
+second kernel merges them. Launch geometry depends only on shapes and metadata python ints
+(num_seqs, max_query_len, max_seq_len), never on tensor values, so both paths are capturable in a
+CUDA graph when the host passes a graph bucket's fixed values.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from blockspec.layers.attention import AttentionMetadata
+
+_LOG2E = 1.4426950408889634
+SPLIT_MAX_QUERY_LEN = 16  # split-KV only for decode / verify / drafter-sized queries
+MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed cost outweighs the parallelism it adds
+MAX_SPLITS = 32
+_DOT_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
+
+
+@triton.jit
+def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+                     stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_cs, stride_ch,
+                     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+                     BLOCK_SIZE: tl.constexpr, H_PAD: tl.constexpr, D_PAD: tl.constexpr):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    # NOTE: slot -1 marks a token whose K/V must not be written (e.g. padding).
+    if slot < 0:
+        return
+    h = tl.arange(0, H_PAD)[:, None]
+    d = tl.arange(0, D_PAD)[None, :]
+    mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM)
+    t64 = t.to(tl.int64)
+    dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + h * stride_ch + d
+    k = tl.load(k_ptr + t64 * stride_kt + h * stride_kh + d, mask=mask)
+    v = tl.load(v_ptr + t64 * stride_vt + h * stride_vh + d, mask=mask)
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _query_rows(q_tile, kv_head, q_len, GROUP: tl.constexpr, BLOCK_Q: tl.constexpr,
+                BLOCK_M: tl.constexpr):
+    """Token (within the sequence's query), query head and validity of each of a tile's rows."""
+    r = tl.arange(0, BLOCK_M)
+    tok = q_tile * BLOCK_Q + r // GROUP
+    head = kv_head * GROUP + r % GROUP
+    # NOTE: BLOCK_M is a power of two, BLOCK_Q * GROUP need not be: the rows past it are padding.
+    return tok, head, (r < BLOCK_Q * GROUP) & (tok < q_len)
+
+
+@triton.jit
+def _attn_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr,
+                 cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr, qk_scale,
+                 stride_qt, stride_qh, stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
+                 stride_cb, stride_cs, stride_ch, stride_bt,
+                 GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                 BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
+                 BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, NUM_SPLITS: tl.constexpr,
+                 DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    seq, q_tile = tl.program_id(0), tl.program_id(1)
+    kv_head, split = tl.program_id(2) // NUM_SPLITS, tl.program_id(2) % NUM_SPLITS
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    # The grid covers the longest query in the batch; shorter ones have idle tiles.
+    if q_tile * BLOCK_Q >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    tok, head, row_ok = _query_rows(q_tile, kv_head, q_len, GROUP, BLOCK_Q, BLOCK_M)
+    row = (q_start + tok).to(tl.int64)
+    d = tl.arange(0, D_PAD)
+    d_ok = d < HEAD_DIM
+    q = tl.load(q_ptr + row[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+                mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(DOT_DTYPE)
+    q_pos = seq_len - q_len + tok  # absolute position of each row's token
+
+    kv_end = seq_len
+    if CAUSAL:  # keys past the tile's last token are masked for every row: skip them
+        kv_end = tl.minimum(seq_len, seq_len - q_len + tl.minimum((q_tile + 1) * BLOCK_Q, q_len))
+    # Whole BLOCK_N tiles per split, so only the final tile of the range is partial.
+    # NOTE: cdiv spelled out: tl.cdiv fails under triton 3.6's interpreter.
+    chunk = ((kv_end + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    lo = split * chunk
+    hi = tl.minimum(lo + chunk, kv_end)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    table = block_tables_ptr + seq.to(tl.int64) * stride_bt
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + tl.arange(0, BLOCK_N)
+        kv_ok = pos < hi
+        # NOTE: masked-off keys are never loaded, so unwritten cache slots may hold anything.
+        block = tl.load(table + pos // BLOCK_SIZE, mask=kv_ok, other=0).to(tl.int64)
+        kv_off = block * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
+        k = tl.load(k_cache_ptr + kv_off[None, :] + d[:, None],
+                    mask=kv_ok[None, :] & d_ok[:, None], other=0.0)
+        s = tl.dot(q, k.to(DOT_DTYPE), input_precision=DOT_PRECISION) * qk_scale
+        visible = kv_ok[None, :]
+        if CAUSAL:
+            visible = visible & (pos[None, :] <= q_pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        # A row that has seen no visible key yet keeps m = -inf; exp2(-inf - -inf) would be NaN.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_safe[:, None])
+        alpha = tl.exp2(m_i - m_safe)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :],
+                    mask=kv_ok[:, None] & d_ok[None, :], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE),
+                                            input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    # NOTE: l == 0 only for rows with no visible key (empty split, seq_len 0): they output 0.
+    l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+    out = acc / l_safe[:, None]
+    out_ptrs = (out_ptr + row[:, None] * stride_ot + head[:, None] * stride_oh
+                + split * stride_os + d[None, :])
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & d_ok[None, :])
+    if NUM_SPLITS > 1:
+        # m = -inf exactly when l = 0, so an empty split's lse is -inf and weighs nothing.
+        tl.store(lse_ptr + row * stride_lt + head * stride_lh + split, m_i + tl.log2(l_safe),
+                 mask=row_ok)
+
+
+@triton.jit
+def _merge_kernel(part_ptr, lse_ptr, out_ptr, cu_seqlens_q_ptr,
+                  stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, stride_ot, stride_oh,
+                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
+                  BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    # NOTE: same grid and row mapping as _attn_kernel, so exactly the rows it wrote are merged.
+    seq, q_tile, kv_head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    if q_tile * BLOCK_Q >= q_len:
+        return
+    tok, head, row_ok = _query_rows(q_tile, kv_head, q_len, GROUP, BLOCK_Q, BLOCK_M)
+    row = (q_start + tok).to(tl.int64)
+    d = tl.arange(0, D_PAD)
+    mask = row_ok[:, None] & (d < HEAD_DIM)[None, :]
+    lse_ptrs = lse_ptr + row * stride_lt + head * stride_lh
+    part_ptrs = part_ptr + row[:, None] * stride_pt + head[:, None] * stride_ph + d[None, :]
+
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    for s in tl.static_range(NUM_SPLITS):
+        m = tl.maximum(m, tl.load(lse_ptrs + s, mask=row_ok, other=float("-inf")))
+    m = tl.where(m == float("-inf"), 0.0, m)
+    denom = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
+    for s in tl.static_range(NUM_SPLITS):
+        w = tl.exp2(tl.load(lse_ptrs + s, mask=row_ok, other=float("-inf")) - m)
+        denom += w
+        acc += w[:, None] * tl.load(part_ptrs + s * stride_ps, mask=mask, other=0.0)
+    out = acc / tl.where(denom == 0.0, 1.0, denom)[:, None]
+    tl.store(out_ptr + row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132  # an H200's count: CPU (interpreter) runs then pick what the GPU would
+
+
+def choose_num_splits(num_programs: int, max_query_len: int, max_seq_len: int,
+                      num_sms: int) -> int:
+    """How many ways to split the key range: a pure function of shapes and metadata ints, so a
+    CUDA-graph bucket (fixed num_seqs / max_query_len / max_seq_len) always gets the same one."""
+    if max_query_len > SPLIT_MAX_QUERY_LEN or num_programs >= num_sms:
+        return 1
+    want = min(triton.cdiv(2 * num_sms, num_programs), max_seq_len // MIN_KEYS_PER_SPLIT,
+               MAX_SPLITS)
+    # Powers of two keep the number of compiled kernel variants small.
+    return triton.next_power_of_2(want + 1) // 2 if want > 1 else 1
+
+
+class TritonAttentionBackend:
+    name = "triton"
+
+    def __init__(self, max_block_m: int = 128, block_n: int = 64, num_splits: int | None = None,
+                 num_warps: int | None = None, num_stages: int | None = None) -> None:
+        """Tuning knobs: `max_block_m` caps the query rows per program, `block_n` is the key
+        tile; `num_splits`, `num_warps` and `num_stages` override the heuristics / defaults."""
+        self.max_block_m, self.block_n, self.num_splits = max_block_m, block_n, num_splits
+        self.num_warps, self.num_stages = num_warps, num_stages
+
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                 v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+        num_tokens, num_kv_heads, head_dim = k.shape
+        if num_tokens == 0:
+            return
+        assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1
+        assert k.stride(2) == 1 and v.stride(2) == 1
+        _store_kv_kernel[(num_tokens,)](
+            k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0),
+            v.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
+            H_PAD=triton.next_power_of_2(num_kv_heads), D_PAD=triton.next_power_of_2(head_dim))
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        num_tokens, num_heads, head_dim = q.shape
+        _, block_size, num_kv_heads, _ = k_cache.shape
+        num_seqs, max_q = meta.num_seqs, meta.max_query_len
+        # NOTE: rows of tokens that belong to no sequence (graph padding) are left unwritten.
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+        if num_tokens == 0 or num_seqs == 0 or max_q == 0:
+            return out.zero_()
+        assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1
+        assert q.stride(2) == 1 and num_heads % num_kv_heads == 0
+
+        group = num_heads // num_kv_heads
+        # tl.dot needs M >= 16; a whole GQA group must fit in one tile.
+        block_m = max(16, triton.next_power_of_2(group),
+                      min(triton.next_power_of_2(max_q * group), self.max_block_m))
+        block_q = block_m // group
+        num_q_tiles = triton.cdiv(max_q, block_q)
+        num_programs = num_seqs * num_q_tiles * num_kv_heads
+        splits = self.num_splits or choose_num_splits(num_programs, max_q, meta.max_seq_len,
+                                                       _num_sms(q.device))
+        d_pad = triton.next_power_of_2(max(head_dim, 16))
+        # NOTE: 4 warps beat 8 on an H200 for decode, verify and 128-row prefill tiles alike.
+        common = dict(GROUP=group, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_Q=block_q,
+                      BLOCK_M=block_m, num_warps=self.num_warps or 4)
+        if splits > 1:
+            part = torch.empty(num_tokens, num_heads, splits, head_dim, dtype=torch.float32,
+                               device=q.device)
+            lse = torch.empty(num_tokens, num_heads, splits, dtype=torch.float32,
+                              device=q.device)
+            dst, dst_strides = part, part.stride()[:3]
+        else:
+            lse, dst, dst_strides = out, out, (*out.stride()[:2], 0)  # lse unused
+        dot_dtype = _DOT_DTYPES[q.dtype]
+        if q.device.type == "cpu" and q.dtype == torch.bfloat16:
+            # NOTE: the interpreter's tl.dot multiplies bf16 as raw int16 bits (numpy has no
+            # bf16), so interpreted runs do bf16 products in fp32.
+            dot_dtype = tl.float32
+        grid = (num_seqs, num_q_tiles, num_kv_heads * splits)
+        _attn_kernel[grid](
+            q, k_cache, v_cache, dst, lse, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
+            scale * _LOG2E, q.stride(0), q.stride(1), *dst_strides, lse.stride(0), lse.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
+            BLOCK_SIZE=block_size, BLOCK_N=self.block_n, CAUSAL=meta.causal, NUM_SPLITS=splits,
+            DOT_DTYPE=dot_dtype, DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
+            **({"num_stages": self.num_stages} if self.num_stages else {}), **common)
+        if splits > 1:
+            _merge_kernel[(num_seqs, num_q_tiles, num_kv_heads)](
+                part, lse, out, meta.cu_seqlens_q, *part.stride()[:3], lse.stride(0),
+                lse.stride(1), out.stride(0), out.stride(1), NUM_SPLITS=splits, **common)
+        return out
