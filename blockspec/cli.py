@@ -1,4 +1,4 @@
-"""`blockspec` command line: generate (more subcommands arrive with their issues)."""
+"""`blockspec` command line: generate, serve, bench."""
 
 from __future__ import annotations
 
@@ -133,6 +133,16 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--ignore-eos", action="store_true")
     s.add_argument("--verbose", "-v", action="store_true", help="print request metrics to stderr")
     gen.set_defaults(func=cmd_generate)
+
+    from blockspec.server.cli import add_serve_parser, cmd_serve
+
+    add_serve_parser(sub, add_engine_args)
+    sub.choices["serve"].set_defaults(func=lambda a: cmd_serve(a, engine_kwargs, resolve_model))
+
+    from blockspec.bench.cli import add_bench_parser, cmd_bench
+
+    add_bench_parser(sub, add_engine_args)
+    sub.choices["bench"].set_defaults(func=lambda a: cmd_bench(a, engine_kwargs, resolve_model))
     return parser
 
 

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 from blockspec.config import ConfigError
 
+MAX_LOGPROBS = 20  # as vLLM's default max_logprobs
+
 
 @dataclass
 class SamplingParams:
@@ -35,10 +37,13 @@ class SamplingParams:
             raise ConfigError(f"min_p must be in [0, 1], got {self.min_p!r}")
         if self.max_tokens is not None and (not _is_int(self.max_tokens) or self.max_tokens < 1):
             raise ConfigError(f"max_tokens must be a positive integer, got {self.max_tokens!r}")
-        if self.seed is not None and not _is_int(self.seed):
-            raise ConfigError(f"seed must be an integer, got {self.seed!r}")
-        if self.logprobs is not None and (not _is_int(self.logprobs) or self.logprobs < 0):
-            raise ConfigError(f"logprobs must be a non-negative integer, got {self.logprobs!r}")
+        if self.seed is not None and (not _is_int(self.seed)
+                                      or not -(2**63) <= self.seed < 2**64):
+            raise ConfigError(f"seed must be an integer in [-2^63, 2^64), got {self.seed!r}")
+        if self.logprobs is not None and (not _is_int(self.logprobs)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ConfigError(f"logprobs must be an integer in [0, {MAX_LOGPROBS}], "
+                              f"got {self.logprobs!r}")
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         if any(not isinstance(s, str) or not s for s in stop):
             raise ConfigError("stop must be a non-empty string or a list of non-empty strings")

@@ -84,9 +84,9 @@ def test_kv_cache_too_small_for_request(qwen3_path):
     with pytest.raises(ConfigError, match=r"needs 4 KV blocks.*holds 3"):
         llm.generate([prompt], SamplingParams(max_tokens=9))
     assert_no_leaks(llm)
-    # max_tokens=None means "up to the context" (1024 here): far beyond 3 blocks.
-    with pytest.raises(ConfigError, match="KV blocks"):
-        llm.generate([prompt], SamplingParams(max_tokens=None))
+    # max_tokens=None means "as far as the context and the cache allow": 3 blocks of 16 here.
+    out = llm.generate([prompt], SamplingParams(max_tokens=None, ignore_eos=True))[0]
+    assert len(out.token_ids) == 3 * 16 - 40 and out.finish_reason == "length"
     assert_no_leaks(llm)
     # A fitting request queued before the failing one is aborted with it, nothing leaks.
     with pytest.raises(ConfigError, match="KV blocks"):
@@ -143,3 +143,12 @@ def test_numpy_and_tuple_prompts(llm, reference):
     assert llm.generate(np.array(ids), GREEDY)[0].token_ids == reference
     assert llm.generate(tuple(ids), GREEDY)[0].token_ids == reference
     assert llm.generate([np.array(ids)], GREEDY)[0].token_ids == reference
+
+
+def test_no_max_tokens_fits_the_cache(llm):
+    """max_tokens=None means "what the context and the KV cache can hold" (8 blocks x 16 here,
+    less than max_model_len 96 would allow only if the cache were smaller): never refused."""
+    out = llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=None,
+                                                    ignore_eos=True))[0]
+    assert out.finish_reason == "length"
+    assert len(out.token_ids) == min(96, 8 * 16) - 3

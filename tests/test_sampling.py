@@ -44,7 +44,7 @@ def greedy(max_tokens: int = 32, **kw) -> SamplingParams:
     dict(logprobs=-1), dict(logprobs=1.5),
     dict(seed=1.5), dict(seed="7"),
     dict(temperature=float("inf")), dict(top_p="x"), dict(max_tokens=True), dict(seed=True),
-    dict(stop_token_ids=[True]),
+    dict(stop_token_ids=[True]), dict(logprobs=21), dict(seed=2**64), dict(seed=-(2**63) - 1),
 ], ids=repr)
 def test_invalid_sampling_params(kwargs):
     with pytest.raises(ConfigError):
@@ -416,3 +416,12 @@ def test_seeded_row_independent_of_rest_of_batch():
         first.append(tuple(draws))
     assert len(set(first)) == 1
     assert len(set(first[0])) > 1
+
+
+def test_tiny_top_p_keeps_the_most_likely_token():
+    from blockspec.layers.sampler import SamplingTensors, sample
+
+    logits = torch.tensor([[0.0, 3.0, 1.0, -2.0]])
+    st = SamplingTensors.build([SamplingParams(temperature=1.0, top_p=1e-300)], [None], 4, "cpu")
+    for _ in range(20):
+        assert sample(logits, st).item() == 1

@@ -157,6 +157,15 @@ class LLMEngine:
             raise ConfigError(f"prompt has {len(ids)} tokens; the context length is "
                               f"{self.max_model_len}, which leaves no room to generate")
         room = self.max_model_len - len(ids)
+        if params.max_tokens is None:
+            # "No limit" means what the context and the KV cache can hold.
+            cache_room = (self.block_manager.num_blocks * self.block_manager.block_size
+                          - self.lookahead_slots() - len(ids))
+            room = min(room, cache_room)
+            if room < 1:
+                raise ConfigError(f"prompt has {len(ids)} tokens; the KV cache holds "
+                                  f"{self.block_manager.num_blocks * self.block_manager.block_size}"
+                                  ", which leaves no room to generate")
         max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
         needed = self.block_manager.blocks_for(len(ids) + max_tokens + self.lookahead_slots())
         if needed > self.block_manager.num_blocks:

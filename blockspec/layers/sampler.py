@@ -34,7 +34,9 @@ class SamplingTensors:
             temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32,
                                      device=device),
             top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+            # NOTE: a top_p below fp32's smallest normal would round to 0 and mask everything.
+            top_p=torch.tensor([max(p.top_p, 1.2e-38) for p in params], dtype=torch.float32,
+                               device=device),
             min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
             generators=generators,
             all_greedy=all(p.greedy for p in params),
@@ -61,8 +63,9 @@ def target_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
             probs = sorted_logits.softmax(dim=-1)
             # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
             cum_before = probs.cumsum(dim=-1) - probs
-            sorted_logits = sorted_logits.masked_fill(cum_before >= st.top_p[:, None],
-                                                      float("-inf"))
+            drop = cum_before >= st.top_p[:, None]
+            drop[:, 0] = False  # NOTE: the most likely token always survives
+            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
         logits = torch.full_like(logits, float("-inf")).scatter(-1, idx, sorted_logits)
     probs = logits.softmax(dim=-1)
     if st.needs_min_p:

@@ -1,0 +1,153 @@
+"""What `serve` and `offline` share: concurrency lists, the result file, environment, labels."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import shlex
+import socket
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from blockspec.config import ConfigError
+
+SCHEMA = "blockspec.bench/1"
+DEFAULT_CONCURRENCY = "1,2,4,8,16,32,64,128,256"
+# Argument names never written to a result file.
+_SECRET_ARGS = {"api_key"}
+
+
+def parse_concurrency(text: str) -> list[int]:
+    """'1,2,4' -> [1, 2, 4] (sorted, deduplicated)."""
+    parts = [p.strip() for p in str(text).split(",") if p.strip()]
+    if not parts:
+        raise ConfigError("--concurrency is empty; give a list such as 1,2,4,8")
+    try:
+        values = [int(p) for p in parts]
+    except ValueError:
+        raise ConfigError(f"--concurrency must be comma-separated integers, got {text!r}") from None
+    if any(v <= 0 for v in values):
+        raise ConfigError(f"--concurrency values must be positive, got {text!r}")
+    return sorted(set(values))
+
+
+def requests_per_level(num_prompts: int | None, concurrency: int) -> int:
+    """Requests sent at one concurrency level. The default keeps C requests in flight for most of
+    the level, so the ramp-down tail (fewer than C left) does not dominate the figure."""
+    if num_prompts is not None:
+        if num_prompts <= 0:
+            raise ConfigError("--num-prompts must be positive")
+        return num_prompts
+    return max(4 * concurrency, 8)
+
+
+def check_lengths(input_len: int | None, output_len: int) -> None:
+    if output_len <= 0:
+        raise ConfigError("--output-len must be positive")
+    if input_len is not None and input_len <= 0:
+        raise ConfigError("--input-len must be positive")
+
+
+def _git_commit() -> str | None:
+    try:
+        return subprocess.check_output(
+            ["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent, text=True,
+            stderr=subprocess.DEVNULL, timeout=5).strip()
+    except Exception:  # noqa: BLE001 - not a checkout, no git: the field is just absent
+        return None
+
+
+def environment() -> dict[str, Any]:
+    """Where and how the numbers were measured (the client side, for `serve`)."""
+    env: dict[str, Any] = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "host": socket.gethostname(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "command": shlex.join(sys.argv),
+        "commit": _git_commit(),
+    }
+    for pkg in ("blockspec", "torch", "transformers", "httpx"):
+        try:
+            env[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            env[pkg] = None
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            env["device"] = torch.cuda.get_device_name()
+            env["cuda"] = torch.version.cuda
+    except Exception:  # noqa: BLE001 - environment capture must never fail a benchmark
+        pass
+    return env
+
+
+def args_config(args: Any) -> dict[str, Any]:
+    """The parsed command line as JSON-safe values, secrets redacted."""
+    out: dict[str, Any] = {}
+    for key, value in vars(args).items():
+        if callable(value):
+            continue
+        if key in _SECRET_ARGS and value:
+            value = "<redacted>"
+        out[key] = value if isinstance(value, (str, int, float, bool, type(None))) else str(value)
+    return out
+
+
+def new_result(kind: str, args: Any, label: str,
+               synthetic_acceptance: float | None = None) -> dict[str, Any]:
+    res: dict[str, Any] = {"schema": SCHEMA, "kind": kind, "label": label,
+                           "synthetic": synthetic_acceptance is not None}
+    if synthetic_acceptance is not None:
+        res["synthetic_acceptance"] = synthetic_acceptance
+        res["synthetic_note"] = (
+            "benchmark-only mode: each draft position is accepted with probability a instead of "
+            "being verified; the output text is NOT the target model's and the acceptance "
+            "figures hold by construction")
+    res.update(config=args_config(args), environment=environment(), levels=[])
+    return res
+
+
+def finish_summary(result: dict[str, Any]) -> None:
+    levels = [lv for lv in result["levels"] if lv.get("output_tok_s")]
+    if levels:
+        best = max(levels, key=lambda lv: lv["output_tok_s"])
+        result["summary"] = {"peak_output_tok_s": best["output_tok_s"],
+                             "peak_concurrency": best["concurrency"]}
+
+
+def save_result(path: str | None, result: dict[str, Any]) -> None:
+    """Rewritten after every level, so a crash or Ctrl-C keeps what was measured."""
+    if not path:
+        return
+    finish_summary(result)
+    p = Path(path)
+    if p.parent and not p.parent.exists():
+        p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_name(p.name + ".tmp")
+    tmp.write_text(json.dumps(result, indent=2) + "\n")
+    os.replace(tmp, p)
+
+
+def level_line(level: dict[str, Any]) -> str:
+    """One human-readable line per finished level."""
+
+    def med(key: str) -> str:
+        d = level.get(key)
+        return f"{d['median']:.1f} ms" if d else "-"
+
+    acc = level.get("acceptance") or {}
+    tau = acc.get("mean_acceptance_length")
+    line = (f"C={level['concurrency']}: {level['output_tok_s']:.1f} out tok/s, "
+            f"{level['req_s']:.2f} req/s, TTFT median {med('ttft_ms')}, "
+            f"TPOT median {med('tpot_ms')}, {level['completed']} ok / {level['failed']} failed")
+    if tau:
+        line += f", acceptance length {tau:.2f}"
+    return line

@@ -1,0 +1,170 @@
+"""`blockspec bench offline`: the same concurrency sweep with no HTTP, driving the engine.
+
+Concurrency C means at most C requests in the engine: C are submitted, and a new one is added
+as soon as one finishes (closed loop, like `bench serve` with C clients). Every level is preceded
+by a short warm-up at the same concurrency (Triton JIT variants and CUDA graphs are per batch
+bucket; timing them at their first use would charge compilation to the level).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from blockspec.bench.common import (
+    check_lengths,
+    level_line,
+    new_result,
+    parse_concurrency,
+    requests_per_level,
+    save_result,
+)
+from blockspec.bench.datasets import load_samples, random_samples, token_ids
+from blockspec.bench.stats import RequestRecord, acceptance_from_spec, summarize_level
+from blockspec.config import ConfigError, EngineConfig
+from blockspec.engine.llm_engine import LLMEngine
+from blockspec.sampling_params import SamplingParams
+from blockspec.spec.metrics import SpecStats
+
+
+def default_label(model: str, draft: str | None, block: int, synthetic: float | None) -> str:
+    label = Path(model).name or model
+    if draft:
+        label += f" + DFlash {Path(draft).name or draft} (block {block})"
+    else:
+        label += " (autoregressive)"
+    if synthetic is not None:
+        label += f" [SYNTHETIC acceptance a={synthetic:g}]"
+    return label
+
+
+def run_requests(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams,
+                 concurrency: int, tag: str, show: bool = True
+                 ) -> tuple[list[RequestRecord], float, SpecStats]:
+    """Closed loop: keep `concurrency` requests in the engine until all prompts are done."""
+    pending = deque(enumerate(prompts))
+    in_flight: dict[str, tuple[float, float | None, list[float]]] = {}  # rid -> start, last, itl
+    records: list[RequestRecord] = []
+    spec = SpecStats()
+
+    def top_up() -> None:
+        while pending and len(in_flight) < concurrency:
+            i, p = pending.popleft()
+            rid = engine.add_request(p, params, request_id=f"bench-{tag}-{i}", stream=False)
+            in_flight[rid] = (time.monotonic(), None, [])
+
+    bar = tqdm(total=len(prompts), desc=f"C={concurrency}", unit="req", leave=False,
+               disable=not show)
+    start = time.monotonic()
+    top_up()
+    while in_flight:
+        if not engine.has_unfinished():
+            raise RuntimeError("engine idle with requests in flight")  # an engine bug, not input
+        outs = engine.step()
+        now = time.monotonic()
+        for out in outs:
+            t0, last, itl = in_flight[out.request_id]
+            if out.delta_token_ids:
+                if last is not None:
+                    itl.append(now - last)
+                in_flight[out.request_id] = (t0, now, itl)
+            if not out.finished:
+                continue
+            del in_flight[out.request_id]
+            m = out.metrics
+            # NOTE: engine timestamps (time.monotonic) for TTFT/latency: arrival is add_request.
+            records.append(RequestRecord(
+                ok=out.finish_reason != "abort", prompt_tokens=len(out.prompt_token_ids),
+                output_tokens=len(out.token_ids), ttft=m.ttft,
+                latency=(m.finished_time - m.arrival_time) if m.finished_time else None,
+                itl=itl, error=None if out.finish_reason != "abort" else "aborted"))
+            spec.merge(m.spec)
+            bar.update(1)
+        top_up()
+    bar.close()
+    return records, time.monotonic() - start, spec
+
+
+def build_engine(args: argparse.Namespace, model: str, kwargs: dict[str, Any]) -> LLMEngine:
+    kw = dict(kwargs)
+    kw["load_format"] = args.load_format
+    if args.synthetic_acceptance is not None:
+        # NOTE: the labelled benchmark-only mode: drafts are accepted at random, the text is not
+        # the target's. EngineConfig refuses it without benchmark_mode.
+        kw.update(synthetic_acceptance=args.synthetic_acceptance, benchmark_mode=True)
+    return LLMEngine(EngineConfig(model=model, **kw))
+
+
+def engine_facts(engine: LLMEngine) -> dict[str, Any]:
+    mc = engine.model_config
+    return {
+        "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch."),
+        "attention_backend": engine.attention_backend, "max_model_len": engine.max_model_len,
+        "num_kv_blocks": engine.block_manager.num_blocks,
+        "kv_block_size": engine.config.kv_block_size, "max_num_seqs": engine.config.max_num_seqs,
+        "spec_block_size": engine.spec_block_size or None,
+        "load_format": engine.config.load_format,
+        "model_shape": {"layers": mc.num_hidden_layers, "hidden": mc.hidden_size,
+                        "heads": mc.num_attention_heads, "kv_heads": mc.num_key_value_heads,
+                        "vocab": mc.vocab_size},
+    }
+
+
+def run_offline(args: argparse.Namespace, engine_kwargs: Callable[[argparse.Namespace], dict],
+                resolve_model: Callable[[argparse.Namespace], str]) -> dict[str, Any]:
+    levels = parse_concurrency(args.concurrency)
+    check_lengths(args.input_len, args.output_len)
+    if args.warmup_tokens < 0:
+        raise ConfigError("--warmup-tokens must be >= 0")
+    counts = [requests_per_level(args.num_prompts, c) for c in levels]
+    if args.dataset != "random":  # fail on a bad file before spending minutes on loading
+        load_samples(args.dataset, 1, None)
+    model = resolve_model(args)
+    engine = build_engine(args, model, engine_kwargs(args))
+    tok = engine.tokenizer
+    if args.chat and not getattr(tok, "chat_template", None):
+        raise ConfigError("--chat given but the model's tokenizer has no chat template")
+    vocab = min(engine.model_config.vocab_size, len(tok))
+    special = set(getattr(tok, "all_special_ids", [])) | set(engine.eos_token_ids)
+    samples = load_samples(args.dataset, sum(counts), args.input_len, args.dataset_seed,
+                           vocab, special)
+    trunc = args.input_len if args.dataset != "random" else None
+    prompts = [token_ids(s, tok, args.chat, trunc) for s in samples]
+    params = SamplingParams(temperature=args.temperature, max_tokens=args.output_len,
+                            ignore_eos=args.ignore_eos)
+    synthetic = args.synthetic_acceptance
+    label = args.label or default_label(model, engine.config.draft, engine.spec_block_size,
+                                        synthetic)
+    if synthetic is not None and "synthetic" not in label.lower():
+        label += f" [SYNTHETIC acceptance a={synthetic:g}]"
+    result = new_result("offline", args, label, synthetic)
+    result["config"].update(model=model, concurrency_levels=levels, engine=engine_facts(engine))
+    if max(levels) > engine.config.max_num_seqs:
+        print(f"[blockspec] note: --max-num-seqs {engine.config.max_num_seqs} caps the running "
+              f"batch below C={max(levels)}", file=sys.stderr)
+    warm_len = min(32, max(len(p) for p in prompts))
+    warm = [s.prompt for s in random_samples(max(levels), warm_len, 10_000 + args.dataset_seed,
+                                             vocab, special)]
+    warm_params = SamplingParams(temperature=args.temperature,
+                                 max_tokens=max(args.warmup_tokens, 1), ignore_eos=True)
+    run_requests(engine, warm[:1], warm_params, 1, "warmup", show=False)
+    start = 0
+    for c, n in zip(levels, counts):
+        if args.warmup_tokens:
+            run_requests(engine, warm[:c], warm_params, c, f"warmup{c}", show=False)
+        records, duration, spec = run_requests(engine, prompts[start:start + n], params, c,
+                                               f"c{c}")
+        start += n
+        level = summarize_level(c, records, duration)
+        level["acceptance"] = acceptance_from_spec(spec)
+        result["levels"].append(level)
+        save_result(args.out, result)
+        print(level_line(level), flush=True)
+    return result

@@ -1,0 +1,128 @@
+"""The FastAPI app: OpenAI-compatible routes, API-key check, /health and /metrics."""
+
+from __future__ import annotations
+
+import hmac
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, ValidationError
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from blockspec.config import ConfigError, EngineConfig
+from blockspec.engine.llm_engine import LLMEngine
+from blockspec.server.async_engine import AsyncEngine
+from blockspec.server.errors import APIError, from_validation, install_error_handlers
+from blockspec.server.metrics import ServerMetrics
+from blockspec.server.protocol import ChatCompletionRequest, CompletionRequest
+from blockspec.server.serving import OpenAIServing
+
+MAX_BODY_BYTES = 16 << 20  # far above any prompt that fits a context; bounds memory per request
+M = TypeVar("M", bound=BaseModel)
+
+
+class APIKeyMiddleware:
+    """Pure ASGI (not BaseHTTPMiddleware, which would buffer SSE and hide disconnects)."""
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self._key = api_key.encode()
+
+    def _authorized(self, scope: Scope) -> bool:
+        scheme, _, token = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+        # NOTE: constant-time comparison: the key must not leak through response timing.
+        return scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self._key)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        path = scope.get("path", "")
+        if scope["type"] == "http" and (path == "/v1" or path.startswith("/v1/")):
+            if not self._authorized(scope):
+                err = APIError("invalid or missing API key (expected 'Authorization: Bearer "
+                               "<key>')", status=401, code="invalid_api_key")
+                await err.response()(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def parse_body(request: Request, model: type[M]) -> M:
+    body = bytearray()
+    async for part in request.stream():
+        body += part
+        if len(body) > MAX_BODY_BYTES:
+            raise APIError(f"request body larger than {MAX_BODY_BYTES} bytes", status=413)
+    try:
+        return model.model_validate_json(bytes(body))
+    except ValidationError as e:
+        raise from_validation(e) from None
+
+
+def build_app(engine_or_config: LLMEngine | EngineConfig, served_model_name: str,
+              api_key: str | None = None) -> FastAPI:
+    """The engine thread starts and stops with the app's lifespan (uvicorn runs it)."""
+    config = engine_or_config.config if isinstance(engine_or_config, LLMEngine) \
+        else engine_or_config
+    if config.synthetic_acceptance is not None:
+        raise ConfigError("synthetic acceptance is benchmark-only (its output is not the "
+                          "target's): it is never served")
+    engine = engine_or_config if isinstance(engine_or_config, LLMEngine) \
+        else LLMEngine(config)
+    metrics = ServerMetrics(lambda: async_engine.stats)  # NOTE: late-bound, defined next line
+    async_engine = AsyncEngine(engine, on_finished=metrics.on_finished)
+    serving = OpenAIServing(async_engine, served_model_name)
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        async_engine.start()
+        try:
+            yield
+        finally:
+            await async_engine.shutdown()
+
+    app = FastAPI(title="blockspec", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.state.engine = async_engine
+    app.state.metrics = metrics
+    app.state.served_model_name = served_model_name
+    install_error_handlers(app)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+
+    @app.get("/health")
+    async def health() -> Response:
+        if async_engine.alive:
+            return JSONResponse({"status": "ok"})
+        return APIError("engine is not running", status=503, type="server_error").response()
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    def model_card() -> dict:
+        return {"id": served_model_name, "object": "model", "created": created,
+                "owned_by": "blockspec", "root": engine.config.model,
+                "max_model_len": engine.max_model_len}
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [model_card()]})
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> JSONResponse:
+        serving.check_model(model_id)
+        return JSONResponse(model_card())
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await serving.completion(await parse_body(request, CompletionRequest), request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await serving.chat(await parse_body(request, ChatCompletionRequest), request)
+
+    return app

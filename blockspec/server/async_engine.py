@@ -1,0 +1,297 @@
+"""The step-level engine on its own thread, driven from asyncio.
+
+Torch work never runs on the event loop: one engine thread owns the `LLMEngine` and is the only
+thread that steps it or changes its state. The event loop talks to it through a thread-safe op
+queue (add, abort, call, stop); the engine thread answers through each request's `asyncio.Queue`,
+fed with `loop.call_soon_threadsafe`. Between two steps the thread drains every pending op, so
+requests that arrive together join the same batch, and an abort frees its KV blocks before the
+next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from blockspec.config import ConfigError
+from blockspec.engine.llm_engine import LLMEngine
+from blockspec.outputs import RequestOutput
+from blockspec.sampling_params import SamplingParams
+from blockspec.server.stream import ACCEPTED, EngineUnavailableError, RequestStream
+
+logger = logging.getLogger("blockspec.server")
+T = TypeVar("T")
+Prompt = str | list[int]
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """What /metrics reads; published by the engine thread after each iteration, so the event
+    loop never reads the scheduler's or block manager's mutable state."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_used_blocks: int = 0
+    num_blocks: int = 1
+    num_preemptions: int = 0
+    spec_verify_steps: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_drafted_per_position: tuple[int, ...] = ()
+    spec_accepted_per_position: tuple[int, ...] = ()
+
+
+@dataclass
+class _Add:
+    prompt: Prompt
+    params: SamplingParams
+    stream: RequestStream
+
+
+@dataclass
+class _Abort:
+    request_id: str | None  # None: every request in flight
+
+
+@dataclass
+class _Call:
+    fn: Callable[[LLMEngine], Any]
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+
+
+class _Stop:
+    pass
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine,
+                 on_finished: Callable[[RequestOutput], None] | None = None) -> None:
+        self.engine = engine
+        self.stats = EngineStats(num_blocks=engine.block_manager.num_blocks)
+        self._on_finished = on_finished
+        self._ops: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._streams: dict[str, RequestStream] = {}  # NOTE: engine thread only
+        self._lock = threading.Lock()  # guards _accepting/_closed against the thread's exit
+        self._accepting = False
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self.error: BaseException | None = None  # why the engine thread died, if it did
+
+    # -- event-loop side ------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._accepting = True
+        self._thread = threading.Thread(target=self._run, name="blockspec-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.error is None
+
+    def _abort_later(self, request_id: str) -> None:
+        self.submit(_Abort(request_id), strict=False)
+
+    def _refuse_then(self, op: Any) -> None:
+        with self._lock:
+            self._accepting = False
+            if not self._closed:
+                self._ops.put(op)
+
+    def submit(self, op: Any, strict: bool = True) -> None:
+        with self._lock:
+            if self._closed or (strict and not self._accepting):
+                if strict:
+                    raise EngineUnavailableError(
+                        "the engine is not running" if self._closed or self._thread is None
+                        else "the server is shutting down")
+                return
+            self._ops.put(op)
+
+    async def add(self, prompt: Prompt, params: SamplingParams, request_id: str) -> RequestStream:
+        """Queues a request; returns once the engine has accepted it. Raises ConfigError for a
+        bad request (the engine's validation: prompt length, KV capacity, token ids)."""
+        stream = RequestStream(request_id, self._abort_later)
+        self.submit(_Add(prompt, params, stream))
+        try:
+            item = await stream.get()
+        except asyncio.CancelledError:
+            stream.abort()  # NOTE: ops run in order, so this abort lands after the add
+            raise
+        assert item is ACCEPTED
+        return stream
+
+    async def generate(self, prompt: Prompt, params: SamplingParams,
+                       request_id: str) -> AsyncIterator[RequestOutput]:
+        stream = await self.add(prompt, params, request_id)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            stream.abort()  # no-op once finished; frees the KV blocks of an abandoned request
+
+    async def call(self, fn: Callable[[LLMEngine], T]) -> T:
+        """Runs `fn(engine)` on the engine thread (tokenizer work that must not race it)."""
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[T] = loop.create_future()
+        self.submit(_Call(fn, loop, fut))
+        return await fut
+
+    def abort_all(self) -> None:
+        """Stop accepting and abort everything in flight (start of a graceful shutdown)."""
+        self._refuse_then(_Abort(None))
+
+    async def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop accepting, abort what is in flight, join the engine thread."""
+        self._refuse_then(_Stop())
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, timeout)
+
+    # -- engine thread --------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while self._iterate():
+                pass
+        except BaseException as e:  # noqa: B036 - the thread must report, whatever happened
+            logger.exception("engine thread died")
+            self.error = e
+        finally:
+            self._close()
+
+    def _iterate(self) -> bool:
+        eng = self.engine
+        busy = eng.has_unfinished()
+        # NOTE: nothing schedulable while busy (a waiting request whose blocks are not free yet
+        # and nothing running) would spin; a short wait on the op queue avoids burning a core.
+        stalled = busy and not eng.scheduler.running
+        ops = self._take_ops(None if not busy else (1e-3 if stalled else 0.0))
+        for op in ops:
+            if isinstance(op, _Stop):
+                self._abort(None)
+                return False
+            self._handle(op)
+        if eng.has_unfinished():
+            for out in eng.step():
+                self._emit(out)
+        self._publish()
+        return True
+
+    def _take_ops(self, timeout: float | None) -> list[Any]:
+        ops = []
+        try:
+            ops.append(self._ops.get(timeout=timeout) if timeout != 0.0
+                       else self._ops.get_nowait())
+            while True:
+                ops.append(self._ops.get_nowait())
+        except queue.Empty:
+            pass
+        return ops
+
+    def _handle(self, op: Any) -> None:
+        if isinstance(op, _Add):
+            self._add(op)
+        elif isinstance(op, _Abort):
+            self._abort(op.request_id)
+        elif isinstance(op, _Call):
+            try:
+                result, exc = op.fn(self.engine), None
+            except Exception as e:
+                result, exc = None, e
+            _resolve(op, result, exc)
+
+    def _add(self, op: _Add) -> None:
+        rid = op.stream.request_id
+        try:
+            params = op.params
+            if params.max_tokens is None:
+                params = dataclasses.replace(params, max_tokens=self._room(op.prompt))
+            self.engine.add_request(op.prompt, params, rid, stream=True)
+        except (ConfigError, ValueError, TypeError) as e:
+            # NOTE: add_request validates before it mutates anything, so the engine is intact.
+            op.stream.put(e if isinstance(e, ConfigError) else ConfigError(str(e)))
+            return
+        self._streams[rid] = op.stream
+        op.stream.put(ACCEPTED)
+
+    def _room(self, prompt: Prompt) -> int:
+        """max_tokens=None means "up to the context"; the engine sizes that against
+        max_model_len only and would refuse every such request when the KV cache is smaller,
+        so cap it at what the cache can ever hold."""
+        eng, bm = self.engine, self.engine.block_manager
+        n = len(eng.tokenize(prompt))
+        cap = min(eng.max_model_len, bm.num_blocks * bm.block_size - eng.lookahead_slots())
+        return max(cap - n, 1)  # <= 0 left: add_request explains why it cannot fit
+
+    def _abort(self, request_id: str | None) -> None:
+        for rid in [request_id] if request_id is not None else list(self._streams):
+            out = self.engine.abort(rid)
+            if out is not None:
+                self._emit(out)
+            else:
+                self._streams.pop(rid, None)
+
+    def _emit(self, out: RequestOutput) -> None:
+        stream = self._streams.get(out.request_id)
+        if out.finished:
+            self._streams.pop(out.request_id, None)
+            if self._on_finished is not None:
+                try:
+                    self._on_finished(out)
+                except Exception:
+                    logger.exception("on_finished hook failed")
+        if stream is not None:
+            stream.put(out)
+
+    def _publish(self) -> None:
+        eng, spec = self.engine, self.engine.spec_stats
+        self.stats = EngineStats(
+            num_running=len(eng.scheduler.running), num_waiting=len(eng.scheduler.waiting),
+            num_used_blocks=eng.block_manager.num_used_blocks,
+            num_blocks=eng.block_manager.num_blocks,
+            num_preemptions=getattr(eng.scheduler, "num_preemptions", 0),
+            spec_verify_steps=spec.num_steps, spec_draft_tokens=spec.num_draft_tokens,
+            spec_accepted_tokens=spec.num_accepted_tokens,
+            spec_drafted_per_position=tuple(spec.drafted_per_position),
+            spec_accepted_per_position=tuple(spec.accepted_per_position))
+
+    def _close(self) -> None:
+        """Fail whatever is still waiting on this thread; nothing can be queued after this."""
+        with self._lock:
+            self._closed = True
+            self._accepting = False
+        reason = ("the engine stopped" if self.error is None
+                  else f"the engine failed: {type(self.error).__name__}: {self.error}")
+        for stream in self._streams.values():
+            stream.put(EngineUnavailableError(reason))
+        self._streams.clear()
+        if self.error is None:
+            self._publish()
+        for op in self._take_ops(0.0):
+            if isinstance(op, _Add):
+                op.stream.put(EngineUnavailableError(reason))
+            elif isinstance(op, _Call):
+                _resolve(op, None, EngineUnavailableError(reason))
+
+
+def _resolve(op: _Call, result: Any, exc: BaseException | None) -> None:
+    """Engine thread: settle a call's future on its loop (if that loop still runs)."""
+    try:
+        op.loop.call_soon_threadsafe(_settle, op.future, result, exc)
+    except RuntimeError:
+        pass
+
+
+def _settle(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:
+    if fut.done():  # the caller was cancelled
+        return
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(result)

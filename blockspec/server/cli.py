@@ -1,0 +1,68 @@
+"""`blockspec serve`: the OpenAI-compatible HTTP server."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from blockspec.config import ConfigError, EngineConfig
+
+
+def add_serve_parser(subparsers: Any,
+                     add_engine_args: Callable[[argparse.ArgumentParser], None]) -> None:
+    p = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    add_engine_args(p)
+    s = p.add_argument_group("server")
+    s.add_argument("--host", default="127.0.0.1",
+                   help="address to bind (default 127.0.0.1: this machine only; 0.0.0.0 exposes "
+                        "the server to the network, use it with --api-key)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=os.environ.get("BLOCKSPEC_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: "
+                        "$BLOCKSPEC_API_KEY; none: no authentication)")
+    s.add_argument("--served-model-name", default=None,
+                   help="model id clients send as `model` (default: the model folder's name)")
+    s.add_argument("--log-level", default="info",
+                   choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(func=_serve_with_shared_helpers)
+
+
+def _serve_with_shared_helpers(args: argparse.Namespace) -> int:
+    # NOTE: imported at call time: blockspec.cli imports this module to register `serve`.
+    from blockspec import cli
+
+    return cmd_serve(args, cli.engine_kwargs, cli.resolve_model)
+
+
+def cmd_serve(args: argparse.Namespace, engine_kwargs: Callable[[argparse.Namespace], dict],
+              resolve_model: Callable[[argparse.Namespace], str]) -> int:
+    from blockspec.engine.llm_engine import LLMEngine
+    from blockspec.server.api import build_app
+    from blockspec.server.runner import make_server
+
+    if not 0 <= args.port < 65536:
+        raise ConfigError(f"--port must be in [0, 65535], got {args.port}")
+    kwargs = engine_kwargs(args)
+    # NOTE: synthetic acceptance changes the output; it is benchmark-only and never served.
+    if kwargs.pop("synthetic_acceptance", None) is not None:
+        raise ConfigError("synthetic acceptance is benchmark-only and cannot be served")
+    kwargs.pop("benchmark_mode", None)
+    model = resolve_model(args)
+    engine = LLMEngine(EngineConfig(model=model, **kwargs))
+    name = args.served_model_name or Path(model.rstrip("/")).name or model
+    app = build_app(engine, name, api_key=args.api_key)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    auth = "API key required" if args.api_key else "no API key"
+    print(f"[blockspec] serving {name!r} ({model}) on http://{args.host}:{args.port}/v1 "
+          f"({auth}; device {engine.config.device}, {engine.block_manager.num_blocks} KV blocks, "
+          f"context {engine.max_model_len})", file=sys.stderr)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        print(f"[blockspec] warning: listening on {args.host} without --api-key: anyone who can "
+              "reach this port can use the model", file=sys.stderr)
+    make_server(app, args.host, args.port, args.log_level).run()
+    return 0

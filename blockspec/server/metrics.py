@@ -1,0 +1,100 @@
+"""Prometheus metrics, one registry per app (several apps in one process never collide).
+
+Per-request figures are recorded by the engine thread when a request finishes (prometheus_client
+is thread-safe); gauges and the speculative counters are read at scrape time from the engine's
+published `EngineStats` snapshot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from blockspec.outputs import RequestOutput
+from blockspec.server.async_engine import EngineStats
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
+                    5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
+                 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+
+
+class _EngineCollector(Collector):
+    def __init__(self, stats: Callable[[], EngineStats]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._stats()
+        yield GaugeMetricFamily("blockspec_num_requests_running",
+                                "Requests in the running batch", value=s.num_running)
+        yield GaugeMetricFamily("blockspec_num_requests_waiting",
+                                "Requests waiting to be scheduled", value=s.num_waiting)
+        yield GaugeMetricFamily("blockspec_kv_cache_usage_perc",
+                                "Fraction of KV-cache blocks in use (0..1)",
+                                value=s.num_used_blocks / max(s.num_blocks, 1))
+        yield CounterMetricFamily("blockspec_num_preemptions",
+                                  "Sequences preempted (recomputed later)",
+                                  value=s.num_preemptions)
+        # NOTE: mean acceptance length = (accepted + verify_steps) / verify_steps.
+        yield CounterMetricFamily("blockspec_spec_decode_draft_tokens",
+                                  "Draft tokens proposed by the DFlash drafter",
+                                  value=s.spec_draft_tokens)
+        yield CounterMetricFamily("blockspec_spec_decode_accepted_tokens",
+                                  "Draft tokens accepted by the target",
+                                  value=s.spec_accepted_tokens)
+        yield CounterMetricFamily("blockspec_spec_decode_verify_steps",
+                                  "Verify steps that carried at least one draft token",
+                                  value=s.spec_verify_steps)
+        # NOTE: acceptance rate at draft position j = accepted[j] / drafted[j] (j from 0).
+        for name, values in (("drafted", s.spec_drafted_per_position),
+                             ("accepted", s.spec_accepted_per_position)):
+            fam = CounterMetricFamily(f"blockspec_spec_decode_{name}_tokens_per_position",
+                                      f"Draft tokens {name} at each draft position",
+                                      labels=["position"])
+            for j, v in enumerate(values):
+                fam.add_metric([str(j)], v)
+            yield fam
+
+
+class ServerMetrics:
+    def __init__(self, stats: Callable[[], EngineStats]) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("blockspec_requests", "Finished requests by finish reason",
+                                ["finish_reason"], registry=r)
+        self.prompt_tokens = Counter("blockspec_prompt_tokens", "Prompt tokens of finished "
+                                     "requests", registry=r)
+        self.generation_tokens = Counter("blockspec_generation_tokens",
+                                         "Generated tokens of finished requests", registry=r)
+        self.ttft = Histogram("blockspec_time_to_first_token_seconds", "Time to first token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("blockspec_time_per_output_token_seconds",
+                              "Mean time per output token after the first, per request",
+                              buckets=_TPOT_BUCKETS, registry=r)
+        self.e2e = Histogram("blockspec_e2e_request_latency_seconds",
+                             "Arrival to finish, per request", buckets=_LATENCY_BUCKETS,
+                             registry=r)
+        for reason in ("stop", "length", "abort"):  # so the series exist before traffic
+            self.requests.labels(reason)
+        r.register(_EngineCollector(stats))
+
+    def on_finished(self, out: RequestOutput) -> None:
+        """Engine thread, once per request."""
+        self.requests.labels(out.finish_reason or "unknown").inc()
+        self.prompt_tokens.inc(len(out.prompt_token_ids))
+        self.generation_tokens.inc(len(out.token_ids))
+        m = out.metrics
+        if m is None:
+            return
+        if m.ttft is not None:
+            self.ttft.observe(m.ttft)
+        if m.tpot is not None and m.num_generated_tokens >= 2:
+            self.tpot.observe(m.tpot)
+        if m.finished_time is not None:
+            self.e2e.observe(m.finished_time - m.arrival_time)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
