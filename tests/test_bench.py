@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 
 from blockspec import ConfigError, SamplingParams
-from blockspec.bench.cli import main as bench_main
 from blockspec.bench.datasets import (
     chat_messages,
     completion_prompt,
@@ -32,6 +31,7 @@ from blockspec.bench.stats import (
     parse_prometheus,
     summarize_level,
 )
+from blockspec.cli import main as blockspec_main
 
 SHARED_PROMPTS = Path(__file__).resolve().parents[1].parent / "shared" / "prompts"
 
@@ -42,7 +42,7 @@ def write_jsonl(path: Path, rows: list) -> Path:
 
 
 def run_cli(argv: list[str], capsys) -> tuple[int, str, str]:
-    rc = bench_main(argv)
+    rc = blockspec_main(["bench", *argv])  # the real CLI, as a user runs it
     out, err = capsys.readouterr()
     return rc, out, err
 

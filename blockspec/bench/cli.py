@@ -131,24 +131,3 @@ def cmd_bench(args: argparse.Namespace,
         return 1
     return 0
 
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m blockspec.bench.cli serve|offline|report ...` (same as `blockspec bench`)."""
-    from blockspec.cli import add_engine_args, engine_kwargs, resolve_model
-
-    parser = argparse.ArgumentParser(prog="blockspec bench",
-                                     description="blockspec benchmark suite")
-    _add_subcommands(parser, add_engine_args)
-    args = parser.parse_args(argv)
-    try:
-        return cmd_bench(args, engine_kwargs, resolve_model)
-    except ConfigError as e:
-        print(f"blockspec: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("\nblockspec: interrupted", file=sys.stderr)
-        return 130
-
-
-if __name__ == "__main__":
-    sys.exit(main())
