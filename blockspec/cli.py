@@ -1,4 +1,4 @@
-"""`blockspec` command line: generate, serve, bench."""
+"""`blockspec` command line: generate, serve, bench, train-drafter, eval-acceptance."""
 
 from __future__ import annotations
 
@@ -143,6 +143,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_parser(sub, add_engine_args)
     sub.choices["bench"].set_defaults(func=lambda a: cmd_bench(a, engine_kwargs, resolve_model))
+
+    from blockspec.train.cli import add_train_parser
+
+    add_train_parser(sub)
     return parser
 
 

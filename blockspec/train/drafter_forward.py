@@ -1,0 +1,130 @@
+"""The DFlash drafter's training forward: many random-anchor blocks of one sequence in one pass.
+
+Every block i (anchor a_i) is `[token a_i, mask x (B-1)]` at positions a_i..a_i+B-1. Its queries
+see the fused target features of positions < a_i (the drafter's context K/V, computed exactly as
+`DraftAttention.write_context` does at inference) and every position of block i (bidirectional),
+nothing of other blocks. All blocks of a sequence run as one dense masked SDPA call over
+`[context positions ; all blocks' positions]`.
+
+The forward is functional over a `DFlashDrafter`'s own modules (qkv_proj, q_norm, k_norm, o_proj,
+mlp, norms, fc, hidden_norm, rotary tables) so training and inference share one set of weights and
+the saved checkpoint is the published format without any conversion.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from blockspec.spec.dflash import DFlashDrafter, DraftAttention, DraftLayer
+
+# Loss-weight decay per block size (the published recipe); other sizes use 7.
+DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+
+
+def default_gamma(block_size: int) -> float:
+    return DEFAULT_GAMMA.get(block_size, 7.0)
+
+
+def sample_anchors(seq_len: int, block_size: int, max_anchors: int,
+                   generator: torch.Generator | None = None) -> torch.Tensor:
+    """Sorted distinct anchors a in [1, seq_len - B]: a full block of labels fits (a + B <= len)
+    and at least one context token precedes it, as at inference (the prompt is never empty)."""
+    candidates = seq_len - block_size
+    if candidates <= 0:
+        return torch.empty(0, dtype=torch.long)
+    n = min(max_anchors, candidates)
+    pick = torch.randperm(candidates, generator=generator)[:n] + 1
+    return pick.sort().values
+
+
+def block_attention_mask(anchors: torch.Tensor, block_size: int, ctx_len: int) -> torch.Tensor:
+    """Boolean [N*B, ctx_len + N*B]: True where a query may attend.
+
+    Rows: block i's B positions, blocks in `anchors` order. Columns: context positions 0..ctx_len-1,
+    then every block's positions in the same order as the rows."""
+    n = anchors.numel()
+    device = anchors.device
+    q_block = torch.arange(n, device=device).repeat_interleave(block_size)  # block of each query
+    q_anchor = anchors.repeat_interleave(block_size)
+    ctx_ok = torch.arange(ctx_len, device=device)[None, :] < q_anchor[:, None]
+    blk_ok = q_block[:, None] == q_block[None, :]
+    return torch.cat([ctx_ok, blk_ok], dim=1)
+
+
+def _rope(attn: DraftAttention, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    return attn.rotary.rotate(positions, x)
+
+
+def _attention(layer: DraftLayer, x: torch.Tensor, ctx: torch.Tensor, q_pos: torch.Tensor,
+               ctx_pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    attn = layer.self_attn
+    nh, nkv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    q, k, v = attn.qkv_proj(x).split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
+    q = _rope(attn, attn.q_norm(q.reshape(-1, nh, d)), q_pos)
+    k = _rope(attn, attn.k_norm(k.reshape(-1, nkv, d)), q_pos)
+    # NOTE: context K/V exactly as write_context: k_norm(k_proj(ctx)) roped at the context's
+    # positions, v_proj(ctx); no input_layernorm on ctx (it is already hidden_norm'ed).
+    w, b = attn.qkv_proj.weight[attn.q_size:], attn.qkv_proj.bias
+    kv_ctx = F.linear(ctx, w, None if b is None else b[attn.q_size:])
+    k_ctx, v_ctx = kv_ctx.split([attn.kv_size, attn.kv_size], dim=-1)
+    k_ctx = _rope(attn, attn.k_norm(k_ctx.reshape(-1, nkv, d)), ctx_pos)
+    keys = torch.cat([k_ctx, k], dim=0).transpose(0, 1)  # [nkv, Tk, d]
+    values = torch.cat([v_ctx.reshape(-1, nkv, d), v.reshape(-1, nkv, d)], dim=0).transpose(0, 1)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask,
+                                         scale=d**-0.5, enable_gqa=nh != nkv)
+    return attn.o_proj(out.transpose(0, 1).reshape(-1, attn.q_size))
+
+
+def _mlp(layer: DraftLayer, x: torch.Tensor) -> torch.Tensor:
+    gate, up = layer.mlp.gate_up_proj(x).chunk(2, dim=-1)
+    return layer.mlp.down_proj(F.silu(gate) * up)
+
+
+def train_forward(drafter: DFlashDrafter, taps: torch.Tensor, block_embeds: torch.Tensor,
+                  anchors: torch.Tensor) -> torch.Tensor:
+    """taps: [L, n_taps*H] target hidden states (config order, concatenated) of one sequence;
+    block_embeds: [N*B, H] embedded blocks; anchors: [N]. Returns final-normed states [N*B, H]."""
+    bsz = drafter.config.block_size
+    ctx_len = taps.shape[0]
+    ctx = drafter.hidden_norm(drafter.fc(taps))
+    ctx_pos = torch.arange(ctx_len, device=taps.device)
+    q_pos = (anchors[:, None] + torch.arange(bsz, device=taps.device)[None, :]).reshape(-1)
+    mask = block_attention_mask(anchors, bsz, ctx_len)
+    h = block_embeds
+    for layer in drafter.layers:
+        h = h + _attention(layer, layer.input_layernorm(h), ctx, q_pos, ctx_pos, mask)
+        h = h + _mlp(layer, layer.post_attention_layernorm(h))
+    return drafter.norm(h)
+
+
+def block_inputs(tokens: torch.Tensor, anchors: torch.Tensor, block_size: int,
+                 mask_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block token ids [N, B], labels [N, B-1]) for anchors into one sequence's tokens."""
+    offsets = torch.arange(block_size, device=tokens.device)
+    labels = tokens[anchors[:, None] + offsets[None, 1:]]
+    blocks = torch.full((anchors.numel(), block_size), mask_token_id, dtype=tokens.dtype,
+                        device=tokens.device)
+    blocks[:, 0] = tokens[anchors]
+    return blocks, labels
+
+
+def position_weights(block_size: int, gamma: float, device: torch.device | str = "cpu"
+                     ) -> torch.Tensor:
+    """exp(-(k-1)/gamma) for block positions k = 1..B-1: early positions gate every later one."""
+    k = torch.arange(1, block_size, device=device, dtype=torch.float32)
+    return torch.exp(-(k - 1) / gamma)
+
+
+def weighted_loss(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor
+                  ) -> torch.Tensor:
+    """logits [N, B-1, V], labels [N, B-1] -> position-weighted mean cross-entropy."""
+    ce = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none")
+    ce = ce.view_as(labels)
+    return (ce * weights[None, :]).sum() / (weights.sum() * labels.shape[0])
+
+
+def acceptance_length(pred: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Greedy tau per block: 1 + length of the prefix of positions whose argmax equals the label."""
+    return 1 + (pred == labels).long().cumprod(dim=1).sum(dim=1)
+

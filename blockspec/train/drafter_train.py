@@ -1,0 +1,311 @@
+"""Train a DFlash drafter against a frozen target (the published recipe, plain PyTorch).
+
+Per step: `batch_size` packed sequences; the frozen HF target gives hidden states at the drafter's
+target_layer_ids; up to `anchors_per_seq` random anchors per sequence become blocks
+`[token a, mask x (B-1)]`; the drafter's block-sparse training forward predicts tokens a+1..a+B-1
+through the target's lm_head; position-weighted cross-entropy; AdamW + cosine + warmup + clip.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from blockspec.config import ConfigError, ModelConfig
+from blockspec.spec.checkpoint import new_drafter_config, save_drafter
+from blockspec.spec.dflash import DFlashDrafter
+from blockspec.train.drafter_data import load_sequences
+from blockspec.train.drafter_forward import (
+    acceptance_length,
+    block_inputs,
+    default_gamma,
+    position_weights,
+    sample_anchors,
+    train_forward,
+    weighted_loss,
+)
+
+STATE_FILE = "training_state.pt"
+
+
+@dataclass
+class TrainArgs:
+    target: str
+    data: list[str]
+    out: str
+    block_size: int = 16
+    num_layers: int = 1
+    steps: int | None = None
+    epochs: float | None = None
+    batch_size: int = 4
+    lr: float = 6e-4
+    weight_decay: float = 0.0
+    warmup_frac: float = 0.04
+    grad_clip: float = 1.0
+    max_len: int = 1024
+    anchors_per_seq: int = 512
+    anchor_chunk: int = 128  # anchors per drafter pass (memory bound); 0: all at once
+    gamma: float | None = None
+    eval_fraction: float = 0.02
+    eval_every: int = 100
+    eval_anchors: int = 64
+    save_every: int = 500
+    resume: str | None = None
+    device: str | None = None
+    seed: int = 0
+    mask_token_id: int | None = None
+    target_layer_ids: list[int] | None = None
+    quiet: bool = False
+    history: list[dict[str, float]] = field(default_factory=list)  # filled by train()
+
+
+class FrozenTarget:
+    """The HF target, frozen: tapped hidden states, embeddings and lm_head.
+
+    NOTE: taps are HF `hidden_states[id + 1]` (the output of decoder layer `id`; for the last
+    layer HF gives it after the final norm), exactly what the engine feeds the drafter."""
+
+    def __init__(self, path: str, layer_ids: list[int], device: torch.device) -> None:
+        from transformers import AutoModelForCausalLM
+
+        # bf16 on CUDA (the drafter trains under bf16 autocast anyway), exact fp32 on CPU.
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        try:
+            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"could not load target {path!r}: {e}") from None
+        self.model = model.to(device).eval().requires_grad_(False)
+        self.embed: nn.Module = model.get_input_embeddings()
+        self.lm_head: nn.Module = model.get_output_embeddings()
+        self.layer_ids = layer_ids
+
+    @torch.no_grad()
+    def features(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [L] -> concatenated taps [L, n_taps*H] (config order), fp32."""
+        out = self.model.get_decoder()(input_ids=tokens[None], use_cache=False,
+                                       output_hidden_states=True)
+        # NOTE: fp32 features and embeddings keep the drafter's residual stream in fp32; autocast
+        # still runs its matmuls in bf16 on CUDA.
+        return torch.cat([out.hidden_states[i + 1][0] for i in self.layer_ids], dim=-1).float()
+
+
+def init_drafter(target_path: str, args: TrainArgs, tokenizer: Any,
+                 device: torch.device) -> DFlashDrafter:
+    target_cfg = ModelConfig.from_pretrained(target_path)
+    mask = args.mask_token_id
+    if mask is None:
+        mask = getattr(tokenizer, "mask_token_id", None)
+        if mask is None:
+            mask = tokenizer.convert_tokens_to_ids("<|mask|>")
+            mask = None if mask == tokenizer.unk_token_id else mask
+    if mask is None:
+        raise ConfigError("the tokenizer has no mask token; pass --mask-token-id")
+    if args.max_len > target_cfg.max_position_embeddings:
+        raise ConfigError(f"--max-len {args.max_len} exceeds the target's "
+                          f"max_position_embeddings {target_cfg.max_position_embeddings}")
+    cfg = new_drafter_config(target_cfg, args.num_layers, args.block_size, int(mask),
+                             args.target_layer_ids)
+    cfg.validate_pair(target_cfg)
+    with torch.device(device):
+        drafter = DFlashDrafter(cfg).float()
+    with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02)
+    return drafter
+
+
+def total_steps(args: TrainArgs, n_train: int) -> int:
+    if args.steps is not None:
+        return args.steps
+    epochs = args.epochs if args.epochs is not None else 1.0
+    return max(1, math.ceil(epochs * n_train / args.batch_size))
+
+
+def cosine_schedule(opt: torch.optim.Optimizer, steps: int, warmup_frac: float
+                    ) -> torch.optim.lr_scheduler.LambdaLR:
+    warmup = max(1, round(steps * warmup_frac))
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        t = (step - warmup) / max(1, steps - warmup)
+        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, t)))
+
+    return torch.optim.lr_scheduler.LambdaLR(opt, factor)
+
+
+def batch_indices(step: int, batch_size: int, n: int, seed: int) -> list[int]:
+    """The sequences of `step`: a fresh permutation per epoch, a pure function of the step, so
+    a resumed run sees exactly the data the uninterrupted one would have."""
+    out = []
+    for j in range(step * batch_size, (step + 1) * batch_size):
+        epoch, k = divmod(j, n)
+        out.append(_epoch_order(n, seed, epoch)[k])
+    return out
+
+
+@functools.lru_cache(maxsize=2)
+def _epoch_order(n: int, seed: int, epoch: int) -> list[int]:
+    perm = list(range(n))
+    random.Random(seed * 1_000_003 + epoch).shuffle(perm)
+    return perm
+
+
+class Trainer:
+    def __init__(self, args: TrainArgs) -> None:
+        from transformers import AutoTokenizer
+
+        self.args = args
+        dev = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        if dev.startswith("cuda") and not torch.cuda.is_available():
+            raise ConfigError("device cuda requested but no CUDA GPU is available")
+        self.device = torch.device(dev)
+        if args.block_size < 2:
+            raise ConfigError(f"--block-size must be >= 2, got {args.block_size}")
+        if not (Path(args.target) / "config.json").is_file():
+            raise ConfigError(f"target {args.target!r} is not a model folder (no config.json)")
+        torch.manual_seed(args.seed)
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(args.target)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"could not load the tokenizer of {args.target!r}: {e}") from None
+        self.train_seqs, self.eval_seqs = load_sequences(
+            args.data, self.tokenizer, args.max_len, args.block_size, args.eval_fraction,
+            args.seed)
+        self.drafter = init_drafter(args.target, args, self.tokenizer, self.device)
+        cfg = self.drafter.config
+        self.target = FrozenTarget(args.target, cfg.target_layer_ids, self.device)
+        self.gamma = args.gamma or default_gamma(args.block_size)
+        self.weights = position_weights(args.block_size, self.gamma, self.device)
+        self.steps = total_steps(args, len(self.train_seqs))
+        # NOTE: the drafter owns no embedding / lm_head; every one of its parameters trains.
+        self.opt = torch.optim.AdamW(self.drafter.parameters(), lr=args.lr,
+                                     weight_decay=args.weight_decay)
+        self.sched = cosine_schedule(self.opt, self.steps, args.warmup_frac)
+        self.step = 0
+        if args.resume:
+            self.load_state(args.resume)
+
+    def autocast(self) -> Any:
+        return torch.autocast("cuda", dtype=torch.bfloat16,
+                              enabled=self.device.type == "cuda")
+
+    def sequence_losses(self, seq: list[int], max_anchors: int, gen: torch.Generator
+                        ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """(loss share, per-block greedy tau) for each chunk of one sequence's anchors; the
+        shares sum to the sequence's weighted loss. Nothing for a sequence without anchors.
+
+        NOTE: the target runs once per sequence; anchors go through the drafter in chunks of
+        `anchor_chunk`, which bounds the dense mask and the vocab-sized logits. The caller may
+        backward each share as it comes: the gradient equals the unchunked one."""
+        cfg = self.drafter.config
+        tokens = torch.tensor(seq, device=self.device)
+        anchors = sample_anchors(len(seq), cfg.block_size, max_anchors, gen).to(self.device)
+        if anchors.numel() == 0:
+            return
+        taps = self.target.features(tokens)
+        chunk = self.args.anchor_chunk or anchors.numel()
+        for part in anchors.split(chunk):
+            blocks, labels = block_inputs(tokens, part, cfg.block_size, cfg.mask_token_id)
+            with torch.no_grad():
+                embeds = self.target.embed(blocks).flatten(0, 1).float()
+            with self.autocast():
+                states = train_forward(self.drafter, taps, embeds, part)
+                states = states.view(part.numel(), cfg.block_size, -1)[:, 1:]
+                logits = self.target.lm_head(states)
+            share = weighted_loss(logits, labels, self.weights) * (part.numel() / anchors.numel())
+            yield share, acceptance_length(logits.argmax(-1), labels)
+
+    def train_step(self) -> float:
+        a = self.args
+        self.drafter.train()
+        gen = torch.Generator().manual_seed(a.seed * 7919 + self.step)
+        seqs = [self.train_seqs[i]
+                for i in batch_indices(self.step, a.batch_size, len(self.train_seqs), a.seed)]
+        self.opt.zero_grad(set_to_none=True)
+        total = 0.0
+        for seq in seqs:
+            for share, _ in self.sequence_losses(seq, a.anchors_per_seq, gen):
+                (share / len(seqs)).backward()
+                total += share.item() / len(seqs)
+        torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), a.grad_clip)
+        self.opt.step()
+        self.sched.step()
+        self.step += 1
+        return total
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Held-out loss and greedy acceptance length tau (fixed anchors: comparable over time)."""
+        self.drafter.eval()
+        gen = torch.Generator().manual_seed(12345)
+        losses, taus = [], []
+        for seq in self.eval_seqs:
+            parts = list(self.sequence_losses(seq, self.args.eval_anchors, gen))
+            if parts:
+                losses.append(sum(share.item() for share, _ in parts))
+                taus.extend(tau.float() for _, tau in parts)
+        if not taus:
+            return {}
+        return {"eval_loss": sum(losses) / len(losses), "tau": torch.cat(taus).mean().item()}
+
+    def save(self, out: str | Path | None = None) -> Path:
+        out = Path(out or self.args.out)
+        save_drafter(self.drafter, out)
+        torch.save({"step": self.step, "steps": self.steps, "drafter": self.drafter.state_dict(),
+                    "optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict()},
+                   out / STATE_FILE)
+        return out
+
+    def load_state(self, path: str) -> None:
+        f = Path(path) / STATE_FILE
+        if not f.is_file():
+            raise ConfigError(f"--resume {path!r}: no {STATE_FILE} there")
+        state = torch.load(f, map_location=self.device, weights_only=True)
+        try:
+            self.drafter.load_state_dict(state["drafter"])
+        except RuntimeError as e:
+            raise ConfigError(f"--resume {path!r}: drafter shape mismatch ({e})") from None
+        self.opt.load_state_dict(state["optimizer"])
+        self.sched.load_state_dict(state["scheduler"])
+        self.step = int(state["step"])
+
+    def run(self) -> list[dict[str, float]]:
+        a = self.args
+        history = a.history
+        bar = tqdm(total=self.steps, initial=self.step, desc="train-drafter", disable=a.quiet)
+        postfix: dict[str, float] = {}
+        while self.step < self.steps:
+            loss = self.train_step()
+            record = {"step": self.step, "loss": loss, "lr": self.sched.get_last_lr()[0]}
+            postfix["loss"] = round(loss, 4)
+            if self.eval_seqs and a.eval_every > 0 and (
+                    self.step % a.eval_every == 0 or self.step == self.steps):
+                ev = self.evaluate()
+                record.update(ev)
+                postfix.update({k: round(v, 4) for k, v in ev.items()})
+            history.append(record)
+            bar.set_postfix(postfix)
+            bar.update(1)
+            if a.save_every > 0 and self.step % a.save_every == 0:
+                self.save()
+        bar.close()
+        self.save()
+        return history
+
+
+def train(args: TrainArgs) -> list[dict[str, float]]:
+    """Runs (or resumes) training; the drafter ends up in args.out. Returns per-step records."""
+    return Trainer(args).run()

@@ -1,0 +1,216 @@
+"""The DFlash drafter trainer: the block-sparse mask, training forward == paged inference, the loss
+falls, the checkpoint serves losslessly, resume is exact, eval-acceptance reports tau."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from blockspec import LLM, SamplingParams
+from blockspec.config import ConfigError, ModelConfig
+from blockspec.layers.attention import AttentionMetadata, PagedAttention
+from blockspec.spec.checkpoint import build_random_drafter
+from blockspec.spec.proposer import load_drafter
+from blockspec.tiny import corpus_text
+from blockspec.train.cli import add_train_parser, cmd_train
+from blockspec.train.drafter_forward import (
+    acceptance_length,
+    block_attention_mask,
+    sample_anchors,
+    train_forward,
+)
+from blockspec.train.drafter_train import TrainArgs, Trainer
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+def test_block_mask_matches_recipe():
+    # Anchors 2 and 5, B = 4, 9 context positions: block 0 = positions 2..5, block 1 = 5..8.
+    mask = block_attention_mask(torch.tensor([2, 5]), 4, 9)
+    assert mask.shape == (8, 9 + 8)
+    for q in range(8):
+        blk, anchor = q // 4, [2, 5][q // 4]
+        allowed = {p for p in range(9) if p < anchor} | {9 + 4 * blk + j for j in range(4)}
+        assert {k for k in range(17) if mask[q, k]} == allowed, q
+    # Spot checks: context strictly before the anchor, no attention across blocks.
+    assert mask[0, 1] and not mask[0, 2]
+    assert mask[4, 4] and not mask[4, 5]
+    assert not mask[0, 9 + 4] and not mask[4, 9 + 3]
+    assert mask[3, 9] and mask[0, 9 + 3]  # bidirectional inside a block
+
+
+def test_sample_anchors_leave_room_for_labels():
+    gen = torch.Generator().manual_seed(0)
+    a = sample_anchors(20, 8, 100, gen)
+    assert a.numel() == 12 and a.min() >= 1 and a.max() + 8 <= 20
+    assert (a.diff() > 0).all()
+    assert sample_anchors(8, 8, 4, gen).numel() == 0
+
+
+def test_acceptance_length():
+    pred = torch.tensor([[1, 2, 3], [1, 9, 3], [9, 2, 3]])
+    labels = torch.tensor([[1, 2, 3], [1, 2, 3], [1, 2, 3]])
+    assert acceptance_length(pred, labels).tolist() == [4, 2, 1]
+
+
+def _bind_cache(drafter, num_blocks: int, block_size: int) -> None:
+    gen = torch.Generator().manual_seed(0)
+    for layer in drafter.modules():
+        if isinstance(layer, PagedAttention):
+            shape = (num_blocks, block_size, layer.num_kv_heads, layer.head_dim)
+            layer.k_cache = 50 * torch.randn(shape, generator=gen)  # unwritten slots show up
+            layer.v_cache = 50 * torch.randn(shape, generator=gen)
+
+
+@torch.no_grad()
+def test_train_forward_equals_paged_inference(models_root, qwen3_path):
+    path = build_random_drafter(models_root / "drafter-train-fwd", qwen3_path, num_layers=2,
+                                block_size=4, target_layer_ids=[0, 2], seed=3)
+    drafter = load_drafter(str(path), ModelConfig.from_pretrained(qwen3_path), 1024,
+                           torch.float32, torch.device("cpu"))
+    H, B, L = drafter.config.geometry.hidden_size, 4, 14
+    gen = torch.Generator().manual_seed(1)
+    taps = torch.randn(L, 2 * H, generator=gen)
+    anchors = torch.tensor([1, 4, 6, 10])
+    embeds = torch.randn(len(anchors) * B, H, generator=gen)
+    ours = train_forward(drafter, taps, embeds, anchors)
+    kv_bs = 4
+    for i, a in enumerate(anchors.tolist()):
+        _bind_cache(drafter, num_blocks=8, block_size=kv_bs)
+        table = [5, 1, 7, 2]
+        slots = [table[p // kv_bs] * kv_bs + p % kv_bs for p in range(a + B)]
+        drafter.write_context(drafter.fuse(list(taps[:a].split(H, dim=-1))), torch.arange(a),
+                              torch.tensor(slots[:a]))
+        meta = AttentionMetadata.build([B], [a + B], [table], slots[a:], "cpu", causal=False)
+        ref = drafter(embeds[i * B:(i + 1) * B], torch.arange(a, a + B), meta)
+        torch.testing.assert_close(ours[i * B:(i + 1) * B], ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def greedy_corpus(tmp_path_factory, qwen3_path, hf_model):
+    """Target-regenerated text: the tiny target's own greedy continuations of corpus snippets."""
+    tok = AutoTokenizer.from_pretrained(str(qwen3_path))
+    model = hf_model(qwen3_path)
+    text = corpus_text()
+    rows = []
+    for i in range(12):
+        prompt = tok(text[i * 997:i * 997 + 40], add_special_tokens=False)["input_ids"][:8]
+        ids = model.generate(torch.tensor([prompt]), max_new_tokens=90, do_sample=False,
+                             min_new_tokens=90)[0].tolist()
+        rows.append({"text": tok.decode(ids)})
+    path = tmp_path_factory.mktemp("corpus") / "greedy.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def _args(qwen3_path, corpus, out, **kw) -> TrainArgs:
+    base = dict(target=str(qwen3_path), data=[str(corpus)], out=str(out), block_size=4,
+                num_layers=1, steps=40, batch_size=2, lr=3e-3, max_len=96, anchors_per_seq=48,
+                eval_fraction=0.2, eval_every=40, save_every=0, quiet=True, seed=0)
+    base.update(kw)
+    return TrainArgs(**base)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, qwen3_path, greedy_corpus):
+    out = tmp_path_factory.mktemp("trained") / "drafter"
+    trainer = Trainer(_args(qwen3_path, greedy_corpus, out))
+    before = trainer.evaluate()
+    history = trainer.run()
+    return out, before, history
+
+
+def test_training_reduces_loss(trained):
+    _, before, history = trained
+    first = sum(r["loss"] for r in history[:3]) / 3
+    last = sum(r["loss"] for r in history[-5:]) / 5
+    assert last < first - 1.0, (first, last)
+    assert history[-1]["eval_loss"] < before["eval_loss"] - 1.0
+    assert history[-1]["tau"] > before["tau"]
+
+
+def test_checkpoint_serves_losslessly(trained, qwen3_path, greedy_corpus):
+    out, _, _ = trained
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["block_size"] == 4
+    prompts = [r["text"][:30] for r in map(json.loads, greedy_corpus.read_text().splitlines())]
+    ar = [o.token_ids for o in LLM(str(qwen3_path), device="cpu").generate(prompts[:4], GREEDY)]
+    llm = LLM(str(qwen3_path), device="cpu", draft=str(out))
+    assert [o.token_ids for o in llm.generate(prompts[:4], GREEDY)] == ar
+    assert llm.engine.spec_stats.num_steps > 0
+
+
+def test_resume_continues_exactly(tmp_path, qwen3_path, greedy_corpus):
+    kw = dict(steps=6, anchors_per_seq=16, eval_every=0)
+    full = Trainer(_args(qwen3_path, greedy_corpus, tmp_path / "full", **kw))
+    full.run()
+    part = Trainer(_args(qwen3_path, greedy_corpus, tmp_path / "part", **kw))
+    for _ in range(3):
+        part.train_step()
+    part.save()
+    resumed = Trainer(_args(qwen3_path, greedy_corpus, tmp_path / "part",
+                            resume=str(tmp_path / "part"), **kw))
+    assert resumed.step == 3
+    resumed.run()
+    assert resumed.step == 6
+    for (name, a), b in zip(full.drafter.state_dict().items(),
+                            resumed.drafter.state_dict().values()):
+        torch.testing.assert_close(a, b, msg=name)
+
+
+def test_anchor_chunks_give_the_same_step(tmp_path, qwen3_path, greedy_corpus):
+    kw = dict(steps=2, anchors_per_seq=24, eval_every=0)
+    whole = Trainer(_args(qwen3_path, greedy_corpus, tmp_path / "a", anchor_chunk=0, **kw))
+    chunked = Trainer(_args(qwen3_path, greedy_corpus, tmp_path / "b", anchor_chunk=5, **kw))
+    assert whole.train_step() == pytest.approx(chunked.train_step(), rel=1e-5)
+    for (name, a), b in zip(whole.drafter.state_dict().items(),
+                            chunked.drafter.state_dict().values()):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_resume_without_state_is_a_config_error(tmp_path, qwen3_path, greedy_corpus):
+    with pytest.raises(ConfigError, match="training_state.pt"):
+        Trainer(_args(qwen3_path, greedy_corpus, tmp_path, resume=str(tmp_path)))
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser()
+    add_train_parser(parser.add_subparsers(dest="command"))
+    return parser
+
+
+def test_cli_train_and_eval_acceptance(tmp_path, qwen3_path, greedy_corpus, trained, capsys):
+    args = _parser().parse_args([
+        "train-drafter", "--target", str(qwen3_path), "--data", str(greedy_corpus),
+        "--out", str(tmp_path / "d"), "--block-size", "4", "--steps", "2", "--max-len", "64",
+        "--anchors-per-seq", "8", "--device", "cpu"])
+    assert cmd_train(args) == 0
+    assert (tmp_path / "d" / "model.safetensors").is_file()
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"text": "def f(x):"}\n{"prompt": "import json"}\n{"text": "return"}\n')
+    args = _parser().parse_args([
+        "eval-acceptance", "--model", str(qwen3_path), "--draft", str(trained[0]),
+        "--prompts", str(prompts), "--max-tokens", "16", "--num-prompts", "2", "--device", "cpu",
+        "--out", str(tmp_path / "res.json")])
+    assert cmd_train(args) == 0
+    printed = capsys.readouterr().out
+    assert "mean acceptance length (tau)" in printed
+    res = json.loads((tmp_path / "res.json").read_text())
+    assert len(res["prompts"]) == 2 and 1.0 <= res["mean_acceptance_length"] <= 4.0
+    assert len(res["acceptance_rate_per_position"]) == 3
+
+
+def test_cli_user_errors(tmp_path, qwen3_path):
+    args = _parser().parse_args([
+        "train-drafter", "--target", str(qwen3_path), "--data", str(tmp_path / "missing.txt"),
+        "--out", str(tmp_path / "d"), "--block-size", "4", "--device", "cpu"])
+    with pytest.raises(ConfigError, match="does not exist"):
+        cmd_train(args)
+    args = _parser().parse_args(["train-drafter", "--target", str(qwen3_path), "--data", "x",
+                                 "--out", "o", "--steps", "0"])
+    with pytest.raises(ConfigError, match="--steps must be positive"):
+        cmd_train(args)
