@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from blockspec.config import ConfigError
+from blockspec.train.drafter_data import iter_jsonl
 
 
 def add_train_parser(subparsers: Any) -> None:
@@ -87,25 +88,19 @@ def load_prompts(path: str, tokenizer: Any, limit: int | None) -> list[str]:
         raise ConfigError(f"prompts file {path!r} does not exist")
     has_template = bool(getattr(tokenizer, "chat_template", None))
     prompts: list[str] = []
-    for n, line in enumerate(p.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}:{n}: invalid JSON ({e.msg})") from None
+    for where, row in iter_jsonl(p):
         if isinstance(row, str):
             row = {"text": row}
         if "messages" in row or ("prompt" in row and has_template):
             messages = row.get("messages") or [{"role": "user", "content": row["prompt"]}]
             if not has_template:
-                raise ConfigError(f"{path}:{n}: 'messages' need a tokenizer with a chat template")
+                raise ConfigError(f"{where}: 'messages' need a tokenizer with a chat template")
             prompts.append(tokenizer.apply_chat_template(messages, tokenize=False,
                                                          add_generation_prompt=True))
         elif "prompt" in row or "text" in row:
             prompts.append(str(row.get("prompt", row.get("text"))))
         else:
-            raise ConfigError(f"{path}:{n}: no 'prompt', 'messages' or 'text' key")
+            raise ConfigError(f"{where}: no 'prompt', 'messages' or 'text' key")
         if limit is not None and len(prompts) >= limit:
             break
     if not prompts:

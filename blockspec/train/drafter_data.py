@@ -38,6 +38,17 @@ def _chat(tokenizer: Any, messages: list[dict], where: str) -> str:
     return tokenizer.apply_chat_template(messages, tokenize=False)
 
 
+def iter_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
+    """(location "file:line", row) for each non-empty line; a bad line is a ConfigError."""
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            yield f"{path}:{n}", json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}:{n}: invalid JSON ({e.msg})") from None
+
+
 def read_texts(paths: list[str], tokenizer: Any) -> Iterator[str]:
     """Documents from .jsonl files (one row each) or plain text files (the whole file)."""
     for path in paths:
@@ -45,14 +56,8 @@ def read_texts(paths: list[str], tokenizer: Any) -> Iterator[str]:
         if not p.is_file():
             raise ConfigError(f"data file {path!r} does not exist")
         if p.suffix == ".jsonl":
-            for n, line in enumerate(p.read_text().splitlines(), 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ConfigError(f"{path}:{n}: invalid JSON ({e.msg})") from None
-                yield _row_text(row, tokenizer, f"{path}:{n}")
+            for where, row in iter_jsonl(p):
+                yield _row_text(row, tokenizer, where)
         else:
             yield p.read_text()
 
