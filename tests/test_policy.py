@@ -1,0 +1,292 @@
+"""Speculation policy: step-cost interpolation and profiles, decayed acceptance statistics, and
+the block-length choice (plain decode vs speculation) under fake costs and fake acceptance."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from blockspec.spec.policy import (
+    AcceptanceTracker,
+    SpeculationPolicy,
+    StepCostModel,
+    expected_committed_from_rates,
+    profile_key,
+)
+
+# DESIGN.md "Why speculation loses at high concurrency": ms by batch B (rows) x block T (columns).
+DESIGN_MS = {
+    1: (5.0, 5.6, 5.8, 5.6),
+    8: (5.6, 6.2, 6.3, 6.9),
+    32: (6.3, 10.0, 12.5, 18.4),
+    64: (7.6, 16.8, 22.5, 36.2),
+    128: (10.3, 31.1, 44.9, 71.2),
+}
+TS = (1, 4, 8, 16)
+
+
+def design_costs() -> StepCostModel:
+    return StepCostModel({t: {b: row[i] / 1000 for b, row in DESIGN_MS.items()}
+                          for i, t in enumerate(TS)})
+
+
+def iid_tracker(a: float) -> AcceptanceTracker:
+    """Tracker whose rates are exactly a at every position (the prior alone, no data)."""
+    return AcceptanceTracker(prior_mean=a)
+
+
+def feed(tracker: AcceptanceTracker, a: float, steps: int, drafted: int = 15,
+         seed: int = 0) -> None:
+    """Synthetic prefix-wise acceptance: each draft accepted with prob. a until the first miss."""
+    rng = random.Random(seed)
+    for _ in range(steps):
+        k = 0
+        while k < drafted and rng.random() < a:
+            k += 1
+        tracker.observe(drafted, k)
+
+
+def closed_form(a: float, L: int) -> float:
+    return (1 - a ** L) / (1 - a)
+
+
+# ---------------------------------------------------------------- cost model
+
+
+def test_cost_at_buckets_interpolation_and_extrapolation():
+    cm = design_costs()
+    assert cm.block_lens == [1, 4, 8, 16]
+    assert cm.cost(32, 16) == pytest.approx(0.0184)
+    # Linear between buckets 32 and 64: halfway at 48.
+    assert cm.cost(48, 16) == pytest.approx((0.0184 + 0.0362) / 2)
+    assert cm.cost(16, 1) == pytest.approx(0.0056 + (0.0063 - 0.0056) * 8 / 24)
+    # Beyond the largest bucket: proportional.
+    assert cm.cost(256, 16) == pytest.approx(0.0712 * 2)
+    assert cm.cost(192, 1) == pytest.approx(0.0103 * 1.5)
+    # Below the smallest measured bucket: the smallest bucket's time.
+    sparse = StepCostModel({1: {8: 0.004, 16: 0.006}, 4: {16: 0.01}})
+    assert sparse.cost(1, 1) == pytest.approx(0.004)
+    assert sparse.cost(3, 4) == pytest.approx(0.01)
+    assert sparse.cost(32, 4) == pytest.approx(0.02)
+    with pytest.raises(KeyError):
+        cm.cost(8, 2)
+    with pytest.raises(ValueError):
+        cm.cost(0, 1)
+
+
+@pytest.mark.parametrize("times", [
+    {},
+    {4: {1: 0.01}},                      # no plain decode
+    {1: {1: 0.005}, 4: {}},              # a block length with no bucket
+    {1: {1: 0.0}},                       # zero time
+    {1: {1: -1.0}},
+    {1: {1: float("nan")}},
+    {1: {1: float("inf")}},
+    {1: {0: 0.005}},                     # bucket < 1
+    {0: {1: 0.005}, 1: {1: 0.005}},      # block length < 1
+    {1: {1: "5ms"}},
+])
+def test_invalid_cost_tables_raise(times):
+    with pytest.raises(ValueError):
+        StepCostModel(times)
+
+
+def test_profile_round_trip_and_key_mismatch(tmp_path):
+    cm = design_costs()
+    key = profile_key("/models/Qwen3-8B", "NVIDIA H200", "torch.bfloat16", 16, [16, 4, 8, 1])
+    assert key["block_lens"] == [1, 4, 8, 16]
+    path = tmp_path / "profiles" / "cost.json"
+    cm.save(path, key)
+    loaded = StepCostModel.load(path, key)
+    assert loaded is not None
+    for b in (1, 5, 8, 40, 128, 300):
+        for t in TS:
+            assert loaded.cost(b, t) == pytest.approx(cm.cost(b, t))
+    assert json.loads(path.read_text())["key"] == key
+    for stale in (profile_key("/models/Qwen3-8B", "NVIDIA H100", "torch.bfloat16", 16, TS),
+                  profile_key("/models/Qwen3-8B", "NVIDIA H200", "torch.float16", 16, TS),
+                  profile_key("/models/Qwen3-8B", "NVIDIA H200", "torch.bfloat16", 32, TS),
+                  profile_key("/models/Qwen3-8B", "NVIDIA H200", "torch.bfloat16", 16, (1, 16)),
+                  profile_key("/models/other", "NVIDIA H200", "torch.bfloat16", 16, TS)):
+        assert StepCostModel.load(path, stale) is None
+    assert StepCostModel.load(tmp_path / "missing.json", key) is None
+    assert StepCostModel.from_json(cm.to_json()).cost(48, 8) == pytest.approx(cm.cost(48, 8))
+    with pytest.raises(ValueError):
+        StepCostModel.from_json({"times": {"1": {"1": -2.0}}})
+    with pytest.raises(ValueError):
+        StepCostModel.from_json({"key": None})
+
+
+# ---------------------------------------------------------------- acceptance tracker
+
+
+@pytest.mark.parametrize("a", [0.3, 0.5, 0.86, 0.95])
+@pytest.mark.parametrize("L", [1, 2, 4, 8, 16])
+def test_expected_committed_closed_form(a, L):
+    assert iid_tracker(a).expected_committed(L) == pytest.approx(closed_form(a, L))
+    assert expected_committed_from_rates([a] * (L - 1), L) == pytest.approx(closed_form(a, L))
+
+
+def test_expected_committed_from_data_matches_closed_form():
+    t = AcceptanceTracker(half_life=1e9)
+    feed(t, 0.8, steps=4000, drafted=15, seed=1)
+    rates = t.conditional_rates()
+    assert len(rates) == 15
+    for p in rates[:6]:  # well-reached positions (>= 1000 samples each)
+        assert p == pytest.approx(0.8, abs=0.04)
+    assert t.expected_committed(8) == pytest.approx(closed_form(0.8, 8), rel=0.05)
+
+
+def test_prefix_wise_counts():
+    t = AcceptanceTracker(half_life=1e12, prior_weight=1e-9)
+    t.observe(4, 2)  # positions 1, 2 accepted; 3 reached and rejected; 4 not reached
+    t.observe(4, 4)
+    t.observe(4, 0)
+    assert t.reached == pytest.approx([3, 2, 2, 1])
+    assert t.accepted == pytest.approx([2, 2, 1, 1])
+    assert t.conditional_rates() == pytest.approx([2 / 3, 1.0, 0.5, 1.0])
+    with pytest.raises(ValueError):
+        t.observe(3, 4)
+    with pytest.raises(ValueError):
+        t.observe(3, -1)
+
+
+def test_prior_before_data_and_unreached_positions_extrapolate():
+    t = AcceptanceTracker(prior_mean=0.5, prior_weight=2.0)
+    assert t.conditional_rates(15) == pytest.approx([0.5] * 15)
+    assert t.expected_committed(16) == pytest.approx(closed_form(0.5, 16))
+    feed(t, 0.95, steps=500, drafted=3)  # only block length 4 was run
+    rates = t.conditional_rates(15)
+    assert rates[0] > 0.8
+    # Positions never reached inherit their predecessor's rate, not the 0.5 prior.
+    assert rates[14] == pytest.approx(rates[2])
+
+
+def test_decay_half_life():
+    t = AcceptanceTracker(half_life=10)
+    t.observe(1, 1)
+    assert t.reached[0] == pytest.approx(1.0)
+    for _ in range(10):
+        t.tick()
+    assert t.reached[0] == pytest.approx(0.5)
+    assert t.accepted[0] == pytest.approx(0.5)
+    # 10 accepts, then 10 rejections: at half-life 10 the old accepts weigh half as much.
+    t = AcceptanceTracker(half_life=10, prior_weight=1e-9)
+    for _ in range(10):
+        t.observe(1, 1)
+    for _ in range(10):
+        t.observe(1, 0)
+    d = 0.5 ** 0.1
+    old = sum(d ** i for i in range(10, 20))
+    new = sum(d ** i for i in range(10))
+    assert old == pytest.approx(new / 2)
+    assert t.conditional_rates()[0] == pytest.approx(old / (old + new))
+    assert t.conditional_rates()[0] == pytest.approx(1 / 3)
+    with pytest.raises(ValueError):
+        AcceptanceTracker(half_life=0)
+
+
+# ---------------------------------------------------------------- policy
+
+
+def test_plain_decode_when_verify_expensive_and_acceptance_low():
+    policy = SpeculationPolicy(design_costs())
+    assert policy.choose(128, iid_tracker(0.5)) == 1
+    assert policy.choose(64, iid_tracker(0.5)) == 1
+    info = policy.explain(128, iid_tracker(0.5))
+    assert info["choice"] == 1
+    assert info["rates"][1] == pytest.approx(128 / 0.0103)
+    assert max(info["rates"][L] for L in (4, 8, 16)) < info["rates"][1]
+
+
+def test_largest_block_for_small_batch_high_acceptance():
+    policy = SpeculationPolicy(design_costs())
+    assert policy.choose(1, iid_tracker(0.9)) == 16
+    info = policy.explain(1, iid_tracker(0.9))
+    assert info["rates"][16] == pytest.approx(closed_form(0.9, 16) / 0.0056)
+    assert info["tau"][16] == pytest.approx(closed_form(0.9, 16))
+
+
+def test_intermediate_block_when_optimal():
+    # B=32, a=0.8: tau/cost = 2.95/10.0, 4.16/12.5, 4.86/18.4 ms -> block 8 is best.
+    policy = SpeculationPolicy(design_costs())
+    assert policy.choose(32, iid_tracker(0.8)) == 8
+    # A table where 4 wins: large blocks cost much more, acceptance modest.
+    cm = StepCostModel({1: {1: 1.0}, 4: {1: 1.2}, 8: {1: 2.0}, 16: {1: 4.0}})
+    assert SpeculationPolicy(cm).choose(1, iid_tracker(0.7)) == 4
+
+
+def test_min_gain_threshold():
+    cm = StepCostModel({1: {1: 1.0}, 4: {1: 1.5}})
+    t = iid_tracker(0.5)  # tau(4) = 1.875 -> 1.25x plain
+    assert SpeculationPolicy(cm, block_lens=(4,)).choose(1, t) == 4
+    assert SpeculationPolicy(cm, block_lens=(4,), min_gain=1.3).choose(1, t) == 1
+    # Exact tie with plain decode is not a gain.
+    tie = StepCostModel({1: {1: 1.0}, 4: {1: 1.875}})
+    assert SpeculationPolicy(tie, block_lens=(4,)).choose(1, t) == 1
+    # Tie between two blocks (exactly 2x plain each): the smaller block wins.
+    two = StepCostModel({1: {1: 1.0}, 4: {1: 1.875 / 2}, 8: {1: 1.9921875 / 2}})
+    info = SpeculationPolicy(two, block_lens=(4, 8)).explain(1, t)
+    assert info["rates"][4] == info["rates"][8] == 2.0
+    assert SpeculationPolicy(two, block_lens=(8, 4)).choose(1, t) == 4
+
+
+def test_choice_moves_with_statistics():
+    policy = SpeculationPolicy(design_costs())
+    t = AcceptanceTracker(half_life=16)
+    feed(t, 0.95, steps=200, seed=2)
+    assert policy.choose(8, t) == 16
+    for _ in range(100):  # the drafter goes bad: every first draft rejected
+        t.observe(15, 0)
+    assert t.conditional_rates()[0] < 0.1  # the prior keeps a small floor
+    assert policy.choose(8, t) == 1
+    feed(t, 0.95, steps=200, seed=3)  # and recovers
+    assert policy.choose(8, t) == 16
+
+
+def test_probe_after_plain_streak():
+    policy = SpeculationPolicy(design_costs(), probe_every=3)
+    t = iid_tracker(0.5)
+    assert [policy.choose(128, t) for _ in range(8)] == [1, 1, 1, 4, 1, 1, 1, 4]
+    no_probe = SpeculationPolicy(design_costs())
+    assert {no_probe.choose(128, t) for _ in range(20)} == {1}
+
+
+def test_fixed_mode_and_determinism():
+    policy = SpeculationPolicy(design_costs(), mode="fixed", fixed_len=16)
+    assert policy.choose(128, iid_tracker(0.1)) == 16
+    assert policy.explain(128, iid_tracker(0.1))["choice"] == 16
+    adaptive = SpeculationPolicy(design_costs())
+    t = AcceptanceTracker()
+    feed(t, 0.7, steps=50, seed=4)
+    choices = {adaptive.choose(b, t) for b in (1, 8, 32, 64, 128) for _ in range(3)}
+    assert all(adaptive.choose(32, t) == adaptive.choose(32, t) for _ in range(5))
+    assert choices <= {1, 4, 8, 16}
+
+
+def test_policy_validation():
+    cm = design_costs()
+    with pytest.raises(ValueError):
+        SpeculationPolicy(cm, mode="greedy")
+    with pytest.raises(ValueError):
+        SpeculationPolicy(cm, block_lens=(4, 12))  # 12 not measured
+    with pytest.raises(ValueError):
+        SpeculationPolicy(cm, block_lens=(1, 4))
+    with pytest.raises(ValueError):
+        SpeculationPolicy(cm, mode="fixed", fixed_len=12)
+    with pytest.raises(ValueError):
+        SpeculationPolicy(cm, min_gain=0)
+
+
+def test_rates_consistent_with_costs():
+    cm = design_costs()
+    policy = SpeculationPolicy(cm)
+    t = iid_tracker(0.86)
+    for b in (1, 8, 20, 32, 100, 128, 256):
+        rates = policy.rates(b, t)
+        for L in (4, 8, 16):
+            assert rates[L] == pytest.approx(b * closed_form(0.86, L) / cm.cost(b, L))
+        best = max((4, 8, 16), key=lambda L: (rates[L], -L))
+        assert policy.choose(b, t) == (best if rates[best] > rates[1] else 1)
