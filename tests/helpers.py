@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -77,3 +80,13 @@ class PagedCache:
         tap_splits = [list(torch.split(t, q_lens)) for t in taps]
         per_seq_taps = [[t[b] for t in tap_splits] for b in range(len(batch))]
         return splits, per_seq_taps
+
+
+def run_file_with_triton_interpreter(path: str) -> None:
+    """Re-runs a test file in a fresh interpreter with TRITON_INTERPRET=1 (Triton reads it once,
+    at import), for when this process imported Triton before the variable was set."""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", path]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-5000:]
+    assert "fresh process instead" not in proc.stdout  # the Triton cases really ran there

@@ -4,7 +4,6 @@ Without a GPU the kernels run on CPU tensors in Triton's interpreter (slow: keep
 """
 
 import os
-import subprocess
 import sys
 
 import torch
@@ -24,6 +23,7 @@ import pytest  # noqa: E402
 pytest.importorskip("triton")
 
 import torch.nn.functional as F  # noqa: E402
+from helpers import run_file_with_triton_interpreter  # noqa: E402
 
 from blockspec.config import RopeConfig  # noqa: E402
 from blockspec.layers import fused  # noqa: E402
@@ -224,8 +224,4 @@ def test_cuda_graph_replay():
 
 @pytest.mark.skipif(TRITON_HERE, reason="the Triton cases ran in this process")
 def test_triton_cases_in_fresh_process():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", __file__]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-5000:]
-    assert "fresh process instead" not in proc.stdout  # the Triton cases really ran there
+    run_file_with_triton_interpreter(__file__)

@@ -4,7 +4,6 @@ in Triton's interpreter (slow: sizes stay small)."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import torch
@@ -23,6 +22,7 @@ import pytest  # noqa: E402
 pytest.importorskip("triton", minversion="3.7" if DEVICE == "cpu" else None)
 
 import triton.language as tl  # noqa: E402
+from helpers import run_file_with_triton_interpreter  # noqa: E402
 
 import blockspec.layers.triton_attention as ta  # noqa: E402
 from blockspec.layers.attention import (  # noqa: E402
@@ -217,8 +217,4 @@ def test_cuda_graph_replay_with_new_metadata():
 
 @pytest.mark.skipif(TRITON_HERE, reason="the Triton cases ran in this process")
 def test_in_fresh_process():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", __file__]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-5000:]
-    assert "fresh process instead" not in proc.stdout  # the cases really ran there
+    run_file_with_triton_interpreter(__file__)
