@@ -46,6 +46,21 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
         ) from None
 
 
+def read_config_json(path: str | os.PathLike, what: str) -> dict[str, Any]:
+    """The parsed config.json of an HF folder; a missing folder/file or bad JSON is a ConfigError
+    naming `what` ("model", "draft")."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise ConfigError(f"{what} path {str(path)!r} is not a directory")
+    cfg_file = folder / "config.json"
+    if not cfg_file.is_file():
+        raise ConfigError(f"no config.json in {what} folder {str(path)!r}")
+    try:
+        return json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{cfg_file}: invalid JSON ({e})") from None
+
+
 @dataclass
 class RopeConfig:
     theta: float = 10000.0
@@ -117,15 +132,8 @@ class ModelConfig:
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> ModelConfig:
+        raw = read_config_json(path, "model")
         cfg_file = Path(path) / "config.json"
-        if not Path(path).is_dir():
-            raise ConfigError(f"model path {str(path)!r} is not a directory")
-        if not cfg_file.is_file():
-            raise ConfigError(f"no config.json in model folder {str(path)!r}")
-        try:
-            raw = json.loads(cfg_file.read_text())
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{cfg_file}: invalid JSON ({e})") from None
         archs = raw.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:

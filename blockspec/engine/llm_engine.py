@@ -28,7 +28,7 @@ from blockspec.models.loader import load_model
 from blockspec.outputs import RequestOutput
 from blockspec.sampling_params import SamplingParams
 from blockspec.spec.metrics import SpecStats
-from blockspec.spec.proposer import DFlashProposer, drafter_kv_bytes_per_block, load_drafter
+from blockspec.spec.proposer import DFlashProposer, load_drafter
 
 
 def load_tokenizer(path: str) -> Any:
@@ -79,8 +79,9 @@ class LLMEngine:
             if config.max_num_batched_tokens < self.spec_block_size:
                 raise ConfigError(f"max_num_batched_tokens ({config.max_num_batched_tokens}) "
                                   f"must be >= the block size ({self.spec_block_size})")
-            per_block += drafter_kv_bytes_per_block(drafter.config, config.kv_block_size,
-                                                    self.dtype)
+            # NOTE: the drafter's pool shares the block ids: each block costs both pools' bytes.
+            per_block += kv_bytes_per_block(drafter.config.geometry, config.kv_block_size,
+                                            self.dtype)
         self._set_attention_backend(drafter)
         activation = 0
         if self.device.type == "cuda" and config.num_kv_blocks is None \

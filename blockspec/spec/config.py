@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from blockspec.config import ConfigError, ModelConfig
+from blockspec.config import ConfigError, ModelConfig, read_config_json
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -40,17 +38,7 @@ class DFlashConfig:
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> DFlashConfig:
-        folder = Path(path)
-        if not folder.is_dir():
-            raise ConfigError(f"draft path {str(path)!r} is not a directory")
-        cfg_file = folder / "config.json"
-        if not cfg_file.is_file():
-            raise ConfigError(f"no config.json in draft folder {str(path)!r}")
-        try:
-            raw = json.loads(cfg_file.read_text())
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{cfg_file}: invalid JSON ({e})") from None
-        return cls.from_dict(raw, str(path))
+        return cls.from_dict(read_config_json(path, "draft"), str(path))
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], where: str = "draft config") -> DFlashConfig:

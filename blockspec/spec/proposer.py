@@ -43,12 +43,6 @@ def load_drafter(path: str, target_cfg: ModelConfig, max_model_len: int, dtype: 
     return drafter
 
 
-def drafter_kv_bytes_per_block(cfg: DFlashConfig, block_size: int, dtype: torch.dtype) -> int:
-    g = cfg.geometry
-    elem = torch.empty((), dtype=dtype).element_size()
-    return 2 * g.num_hidden_layers * block_size * g.num_key_value_heads * g.head_dim * elem
-
-
 class DFlashProposer:
     def __init__(self, drafter: DFlashDrafter, target: CausalLM, block_size: int,
                  num_blocks: int, kv_block_size: int, dtype: torch.dtype,
