@@ -226,16 +226,27 @@ def test_build_demo_pair_smoke(tmp_path):
                                                   ROOT / "benchmarks" / "build_demo_pair.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    record = mod.build(tmp_path / "pair", smoke=True)
-    for stage in ("corpus", "tokenizer", "target"):
+    record = mod.build(tmp_path / "pair", profile="smoke", ship=tmp_path / "ship")
+    for stage in ("corpus", "tokenizer", "target", "gen", "drafter", "eval"):
         assert record["stages"][stage]["seconds"] >= 0
         assert record["stages"][stage]["command"][0] == "-m"
     assert (tmp_path / "pair" / "target" / "model.safetensors").is_file()
     assert record["target"]["params"] > 0 and record["corpus"]["files"] > 0
-    if mod.drafter_cli_available():
-        assert (tmp_path / "pair" / "drafter" / "config.json").is_file()
-        assert record["drafter"]["bytes"] > 0
-    else:
-        assert "skipped" in record["stages"]["drafter"]
+    assert record["drafter"]["bytes"] > 0
+    assert record["eval_code"]["mean_acceptance_length"] >= 1.0
+    # generate-data rows are the target's own token ids, read as they are by train-drafter
+    row = json.loads((tmp_path / "pair" / "gen" / "target_outputs.jsonl").read_text()
+                     .splitlines()[0])
+    assert row["prompt_len"] == 16 and len(row["input_ids"]) > 16
+    # shipped folders: bf16 weights, no optimizer state, loadable
+    for name in ("target", "drafter"):
+        shipped = tmp_path / "ship" / name
+        assert not list(shipped.glob("*.pt"))
+        cfg = json.loads((shipped / "config.json").read_text())
+        assert cfg.get("torch_dtype", "bfloat16") == "bfloat16"
+    from blockspec import LLM, SamplingParams
+    llm = LLM(str(tmp_path / "ship" / "target"), draft=str(tmp_path / "ship" / "drafter"),
+              device="cpu", dtype="float32")
+    assert len(llm.generate("def f(", SamplingParams(max_tokens=4))[0].token_ids) == 4
     saved = json.loads((tmp_path / "pair" / "build_record.json").read_text())
     assert saved["total_seconds"] == record["total_seconds"] < 120

@@ -214,3 +214,54 @@ def test_cli_user_errors(tmp_path, qwen3_path):
                                  "--out", "o", "--steps", "0"])
     with pytest.raises(ConfigError, match="--steps must be positive"):
         cmd_train(args)
+
+
+# -- time budget, token-id data, generate-data -----------------------------------------------------
+
+def test_time_budget_ends_the_run_annealed(tmp_path, qwen3_path, greedy_corpus):
+    trainer = Trainer(_args(qwen3_path, greedy_corpus, tmp_path / "d", steps=100_000,
+                            time_budget_s=1.0, eval_every=0))
+    history = trainer.run()
+    assert 1 <= trainer.step < 100_000 and trainer.elapsed >= 1.0
+    assert history[-1]["lr"] < 0.2 * 3e-3  # the cosine reached (nearly) its end, not step 1's
+    assert (tmp_path / "d" / "model.safetensors").is_file()
+
+
+def test_bad_input_ids_row_is_a_config_error(tmp_path, qwen3_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"input_ids": [1, "x"]}) + "\n")
+    with pytest.raises(ConfigError, match="input_ids"):
+        Trainer(_args(qwen3_path, bad, tmp_path / "d"))
+
+
+def test_cut_prompts_windows():
+    from blockspec.train.generate_data import cut_prompts
+
+    docs = [list(range(100)), [7, 8, 9]]
+    prompts = cut_prompts(docs, 50, 10, seed=0)
+    assert len(prompts) == 50 and prompts == cut_prompts(docs, 50, 10, seed=0)
+    for p in prompts:
+        assert p == [7, 8, 9] or (len(p) == 10 and p == list(range(p[0], p[0] + 10)))
+    with pytest.raises(ConfigError):
+        cut_prompts([[]], 1, 4, seed=0)
+
+
+def test_generate_data_writes_target_greedy_ids(tmp_path, qwen3_path):
+    from blockspec.cli import main
+
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": corpus_text()[i * 500:(i + 1) * 500]}) + "\n"
+                            for i in range(4)))
+    out = tmp_path / "gen.jsonl"
+    assert main(["generate-data", "--model", str(qwen3_path), "--data", str(docs), "--out",
+                 str(out), "--num-samples", "3", "--prompt-tokens", "8", "--max-tokens", "6",
+                 "--device", "cpu", "--dtype", "float32"]) == 0
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert len(rows) == 3
+    llm = LLM(str(qwen3_path), device="cpu", dtype="float32")
+    for r in rows:
+        prompt = r["input_ids"][:r["prompt_len"]]
+        want = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6))[0].token_ids
+        assert r["input_ids"][r["prompt_len"]:] == list(want)
+    assert main(["generate-data", "--model", str(qwen3_path), "--data", str(docs), "--out",
+                 str(tmp_path / "x.txt")]) != 0  # not .jsonl: a one-line error

@@ -1,4 +1,4 @@
-"""`blockspec train-drafter` and `blockspec eval-acceptance`."""
+"""`blockspec train-drafter`, `blockspec eval-acceptance` (and registers `generate-data`)."""
 
 from __future__ import annotations
 
@@ -35,6 +35,8 @@ def add_train_parser(subparsers: Any) -> None:
     tr.add_argument("--eval-every", type=int, default=100)
     tr.add_argument("--save-every", type=int, default=500)
     tr.add_argument("--resume", default=None, metavar="DIR", help="continue from a checkpoint")
+    tr.add_argument("--time-budget-s", type=float, default=None,
+                    help="end training after this many seconds (the LR schedule anneals to it)")
     tr.add_argument("--mask-token-id", type=int, default=None)
     tr.add_argument("--target-layer-ids", type=int, nargs="+", default=None)
     tr.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
@@ -53,6 +55,10 @@ def add_train_parser(subparsers: Any) -> None:
     ev.add_argument("--out", default=None, metavar="JSON", help="write the results here")
     ev.set_defaults(func=cmd_train, train_command="eval-acceptance")
 
+    from blockspec.train.generate_data import add_parser
+
+    add_parser(subparsers)
+
 
 def cmd_train(args: argparse.Namespace) -> int:
     # NOTE: dispatch on our own default, not the parser's `dest`, so any parent parser works.
@@ -67,7 +73,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 def _train(args: argparse.Namespace) -> int:
     from blockspec.train.drafter_train import TrainArgs, train
 
-    for name in ("steps", "batch_size", "max_len", "anchors_per_seq", "num_layers"):
+    for name in ("steps", "batch_size", "max_len", "anchors_per_seq", "num_layers",
+                 "time_budget_s"):
         value = getattr(args, name)
         if value is not None and value <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {value}")

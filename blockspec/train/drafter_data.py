@@ -1,4 +1,8 @@
-"""Training text for the drafter: text / JSONL files -> token sequences packed to max_len."""
+"""Training text for the drafter: text / JSONL files -> token sequences packed to max_len.
+
+JSONL rows hold text (`text`, `prompt`+`response`/`completion`, `messages`) or token ids
+(`input_ids`, as written by `blockspec generate-data`: the target's own tokens, never re-tokenised).
+"""
 
 from __future__ import annotations
 
@@ -11,12 +15,18 @@ from typing import Any
 from blockspec.config import ConfigError
 
 
-def _row_text(row: Any, tokenizer: Any, where: str) -> str:
-    """One JSONL row as the text the target would see (chat template for conversations)."""
+def _row_text(row: Any, tokenizer: Any, where: str) -> str | list[int]:
+    """One JSONL row as the text the target would see (chat template for conversations), or
+    its token ids as given."""
     if isinstance(row, str):
         return row
     if not isinstance(row, dict):
         raise ConfigError(f"{where}: expected a JSON object or string per line")
+    if "input_ids" in row:
+        ids = row["input_ids"]
+        if not isinstance(ids, list) or not all(isinstance(t, int) and t >= 0 for t in ids):
+            raise ConfigError(f"{where}: 'input_ids' must be a list of token ids")
+        return ids
     if "messages" in row:
         return _chat(tokenizer, row["messages"], where)
     if "prompt" in row:
@@ -29,7 +39,8 @@ def _row_text(row: Any, tokenizer: Any, where: str) -> str:
         return str(row["prompt"]) + str(reply)
     if "text" in row:
         return str(row["text"])
-    raise ConfigError(f"{where}: no 'text', 'prompt'+'response'/'completion' or 'messages' key")
+    raise ConfigError(f"{where}: no 'text', 'input_ids', 'prompt'+'response'/'completion' or "
+                      "'messages' key")
 
 
 def _chat(tokenizer: Any, messages: list[dict], where: str) -> str:
@@ -49,8 +60,9 @@ def iter_jsonl(path: Path) -> Iterator[tuple[str, Any]]:
             raise ConfigError(f"{path}:{n}: invalid JSON ({e.msg})") from None
 
 
-def read_texts(paths: list[str], tokenizer: Any) -> Iterator[str]:
-    """Documents from .jsonl files (one row each) or plain text files (the whole file)."""
+def read_texts(paths: list[str], tokenizer: Any) -> Iterator[str | list[int]]:
+    """Documents from .jsonl files (one row each: text, or token ids) or plain text files (the
+    whole file)."""
     for path in paths:
         p = Path(path)
         if not p.is_file():
@@ -80,8 +92,8 @@ def load_sequences(paths: list[str], tokenizer: Any, max_len: int, block_size: i
                    eval_fraction: float, seed: int) -> tuple[list[list[int]], list[list[int]]]:
     """(train, held-out) token sequences. Documents are split before packing, so no held-out
     text leaks into training chunks."""
-    docs = [tokenizer(t, add_special_tokens=False)["input_ids"]
-            for t in read_texts(paths, tokenizer) if t.strip()]
+    docs = [t if isinstance(t, list) else tokenizer(t, add_special_tokens=False)["input_ids"]
+            for t in read_texts(paths, tokenizer) if (t if isinstance(t, list) else t.strip())]
     if not docs:
         raise ConfigError("training data is empty")
     random.Random(seed).shuffle(docs)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import math
 import random
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -60,6 +61,7 @@ class TrainArgs:
     eval_anchors: int = 64
     save_every: int = 500
     resume: str | None = None
+    time_budget_s: float | None = None  # stop (annealed) at this many seconds of training
     device: str | None = None
     seed: int = 0
     mask_token_id: int | None = None
@@ -133,17 +135,12 @@ def total_steps(args: TrainArgs, n_train: int) -> int:
     return max(1, math.ceil(epochs * n_train / args.batch_size))
 
 
-def cosine_schedule(opt: torch.optim.Optimizer, steps: int, warmup_frac: float
-                    ) -> torch.optim.lr_scheduler.LambdaLR:
-    warmup = max(1, round(steps * warmup_frac))
-
-    def factor(step: int) -> float:
-        if step < warmup:
-            return (step + 1) / warmup
-        t = (step - warmup) / max(1, steps - warmup)
-        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, t)))
-
-    return torch.optim.lr_scheduler.LambdaLR(opt, factor)
+def lr_factor(progress: float, warmup_frac: float) -> float:
+    """Linear warm-up then cosine to 0, as a function of the run's progress in [0, 1]."""
+    if progress < warmup_frac:
+        return max(progress / warmup_frac, 1e-3)
+    t = (progress - warmup_frac) / max(1e-9, 1.0 - warmup_frac)
+    return 0.5 * (1.0 + math.cos(math.pi * min(1.0, t)))
 
 
 def batch_indices(step: int, batch_size: int, n: int, seed: int) -> list[int]:
@@ -193,8 +190,8 @@ class Trainer:
         # NOTE: the drafter owns no embedding / lm_head; every one of its parameters trains.
         self.opt = torch.optim.AdamW(self.drafter.parameters(), lr=args.lr,
                                      weight_decay=args.weight_decay)
-        self.sched = cosine_schedule(self.opt, self.steps, args.warmup_frac)
         self.step = 0
+        self.elapsed = 0.0  # training seconds so far (resume keeps counting)
         if args.resume:
             self.load_state(args.resume)
 
@@ -228,8 +225,19 @@ class Trainer:
             share = weighted_loss(logits, labels, self.weights) * (part.numel() / anchors.numel())
             yield share, acceptance_length(logits.argmax(-1), labels)
 
+    def progress(self) -> float:
+        """Fraction of the run done: steps, or time when a budget ends the run first (the LR
+        schedule follows whichever is further along, so a time-boxed run still anneals)."""
+        frac = self.step / self.steps
+        if self.args.time_budget_s:
+            frac = max(frac, self.elapsed / self.args.time_budget_s)
+        return frac
+
     def train_step(self) -> float:
         a = self.args
+        lr = a.lr * lr_factor(self.progress(), a.warmup_frac)
+        for g in self.opt.param_groups:
+            g["lr"] = lr
         self.drafter.train()
         gen = torch.Generator().manual_seed(a.seed * 7919 + self.step)
         seqs = [self.train_seqs[i]
@@ -242,7 +250,6 @@ class Trainer:
                 total += share.item() / len(seqs)
         torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), a.grad_clip)
         self.opt.step()
-        self.sched.step()
         self.step += 1
         return total
 
@@ -264,8 +271,8 @@ class Trainer:
     def save(self, out: str | Path | None = None) -> Path:
         out = Path(out or self.args.out)
         save_drafter(self.drafter, out)
-        torch.save({"step": self.step, "steps": self.steps, "drafter": self.drafter.state_dict(),
-                    "optimizer": self.opt.state_dict(), "scheduler": self.sched.state_dict()},
+        torch.save({"step": self.step, "steps": self.steps, "elapsed": self.elapsed,
+                    "drafter": self.drafter.state_dict(), "optimizer": self.opt.state_dict()},
                    out / STATE_FILE)
         return out
 
@@ -279,20 +286,22 @@ class Trainer:
         except RuntimeError as e:
             raise ConfigError(f"--resume {path!r}: drafter shape mismatch ({e})") from None
         self.opt.load_state_dict(state["optimizer"])
-        self.sched.load_state_dict(state["scheduler"])
         self.step = int(state["step"])
+        self.elapsed = float(state.get("elapsed", 0.0))
 
     def run(self) -> list[dict[str, float]]:
         a = self.args
         history = a.history
         bar = tqdm(total=self.steps, initial=self.step, desc="train-drafter", disable=a.quiet)
         postfix: dict[str, float] = {}
-        while self.step < self.steps:
+        start = time.perf_counter() - self.elapsed
+        while self.progress() < 1.0:
             loss = self.train_step()
-            record = {"step": self.step, "loss": loss, "lr": self.sched.get_last_lr()[0]}
+            self.elapsed = time.perf_counter() - start
+            record = {"step": self.step, "loss": loss, "lr": self.opt.param_groups[0]["lr"]}
             postfix["loss"] = round(loss, 4)
             if self.eval_seqs and a.eval_every > 0 and (
-                    self.step % a.eval_every == 0 or self.step == self.steps):
+                    self.step % a.eval_every == 0 or self.progress() >= 1.0):
                 ev = self.evaluate()
                 record.update(ev)
                 postfix.update({k: round(v, 4) for k, v in ev.items()})
