@@ -54,7 +54,7 @@ def _profile(corpus_mb: float, tok_mb: float, target_s: int, samples: int, draft
 
 PROFILES = {
     "full": _profile(250, 64, 570, 8192, 330),
-    "onecall": _profile(120, 16, 200, 3072, 150),
+    "onecall": _profile(120, 16, 190, 3072, 140),
     "smoke": dict(
         corpus=["--max-mb", "0.4"], corpus_budget=15,
         tokenizer=["--vocab-size", "512"], tokenizer_budget=15,
