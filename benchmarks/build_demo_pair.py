@@ -42,7 +42,7 @@ def _profile(corpus_mb: float, tok_mb: float, target_s: int, samples: int, draft
                 "--lr", "1.5e-3", "--eval-every", "500", "--time-budget-s", str(target_s)],
         target_budget=target_s + 60,
         gen=["--num-samples", str(samples), "--prompt-tokens", "64", "--max-tokens", "256",
-             "--max-num-seqs", "512"], gen_budget=60,
+             "--max-num-seqs", "256"], gen_budget=samples // 32,
         drafter=["--block-size", "16", "--num-layers", "2", "--steps", "100000", "--batch-size",
                  "16", "--max-len", "1024", "--anchor-chunk", "0", "--mask-token-id", "3",
                  "--eval-every", "100", "--save-every", "0", "--lr", "1e-3",
@@ -54,7 +54,7 @@ def _profile(corpus_mb: float, tok_mb: float, target_s: int, samples: int, draft
 
 PROFILES = {
     "full": _profile(250, 64, 570, 8192, 330),
-    "onecall": _profile(120, 16, 190, 3072, 140),
+    "onecall": _profile(120, 16, 150, 2048, 160),
     "smoke": dict(
         corpus=["--max-mb", "0.4"], corpus_budget=15,
         tokenizer=["--vocab-size", "512"], tokenizer_budget=15,

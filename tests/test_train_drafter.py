@@ -43,6 +43,26 @@ def test_block_mask_matches_recipe():
     assert mask[3, 9] and mask[0, 9 + 3]  # bidirectional inside a block
 
 
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (3, 3), (6, 2)])
+def test_block_sparse_attention_equals_masked_sdpa(heads, kv_heads):
+    from blockspec.train.drafter_forward import block_sparse_attention
+
+    torch.manual_seed(heads)
+    bsz, ctx_len, d = 4, 13, 8
+    anchors = torch.tensor([1, 5, 6, 9])
+    nb = anchors.numel() * bsz
+    q = torch.randn(nb, heads, d, dtype=torch.float64)
+    k_ctx, v_ctx = torch.randn(2, ctx_len, kv_heads, d, dtype=torch.float64)
+    k_blk, v_blk = torch.randn(2, nb, kv_heads, d, dtype=torch.float64)
+    ours = block_sparse_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, d**-0.5)
+    keys = torch.cat([k_ctx, k_blk]).transpose(0, 1)
+    values = torch.cat([v_ctx, v_blk]).transpose(0, 1)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1), keys, values, attn_mask=block_attention_mask(anchors, bsz, ctx_len),
+        scale=d**-0.5, enable_gqa=heads != kv_heads).transpose(0, 1)
+    torch.testing.assert_close(ours, ref, rtol=1e-10, atol=1e-10)
+
+
 def test_sample_anchors_leave_room_for_labels():
     gen = torch.Generator().manual_seed(0)
     a = sample_anchors(20, 8, 100, gen)

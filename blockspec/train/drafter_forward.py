@@ -3,8 +3,9 @@
 Every block i (anchor a_i) is `[token a_i, mask x (B-1)]` at positions a_i..a_i+B-1. Its queries
 see the fused target features of positions < a_i (the drafter's context K/V, computed exactly as
 `DraftAttention.write_context` does at inference) and every position of block i (bidirectional),
-nothing of other blocks. All blocks of a sequence run as one dense masked SDPA call over
-`[context positions ; all blocks' positions]`.
+nothing of other blocks. All blocks of a sequence run in one pass of
+`block_sparse_attention`, which computes exactly the attention under `block_attention_mask` (the
+recipe's mask, kept as the reference) without materialising its N*B x N*B all-but-diagonal part.
 
 The forward is functional over a `DFlashDrafter`'s own modules (qkv_proj, q_norm, k_norm, o_proj,
 mlp, norms, fc, hidden_norm, rotary tables) so training and inference share one set of weights and
@@ -57,7 +58,7 @@ def _rope(attn: DraftAttention, x: torch.Tensor, positions: torch.Tensor) -> tor
 
 
 def _attention(layer: DraftLayer, x: torch.Tensor, ctx: torch.Tensor, q_pos: torch.Tensor,
-               ctx_pos: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+               ctx_pos: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
     attn = layer.self_attn
     nh, nkv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
     q, k, v = attn.qkv_proj(x).split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
@@ -69,11 +70,42 @@ def _attention(layer: DraftLayer, x: torch.Tensor, ctx: torch.Tensor, q_pos: tor
     kv_ctx = F.linear(ctx, w, None if b is None else b[attn.q_size:])
     k_ctx, v_ctx = kv_ctx.split([attn.kv_size, attn.kv_size], dim=-1)
     k_ctx = _rope(attn, attn.k_norm(k_ctx.reshape(-1, nkv, d)), ctx_pos)
-    keys = torch.cat([k_ctx, k], dim=0).transpose(0, 1)  # [nkv, Tk, d]
-    values = torch.cat([v_ctx.reshape(-1, nkv, d), v.reshape(-1, nkv, d)], dim=0).transpose(0, 1)
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask,
-                                         scale=d**-0.5, enable_gqa=nh != nkv)
-    return attn.o_proj(out.transpose(0, 1).reshape(-1, attn.q_size))
+    out = block_sparse_attention(q, k_ctx, v_ctx.reshape(-1, nkv, d), k, v.reshape(-1, nkv, d),
+                                 anchors, d**-0.5)
+    return attn.o_proj(out.reshape(-1, attn.q_size))
+
+
+def block_sparse_attention(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor,
+                           k_blk: torch.Tensor, v_blk: torch.Tensor, anchors: torch.Tensor,
+                           scale: float) -> torch.Tensor:
+    """Attention under `block_attention_mask` without materialising it.
+
+    q, k_blk, v_blk: [N*B, heads, d] (blocks in anchor order); k_ctx, v_ctx: [L, kv_heads, d].
+    NOTE: a query sees context positions < its anchor plus its own block's B keys, never another
+    block, so the scores are [N*B, L] (context, prefix-masked) and [N, B, B] (own block) under one
+    joint softmax: ~L + B columns per query instead of L + N*B. GQA: query head h reads kv head
+    h // (heads / kv_heads), as SDPA's enable_gqa. Returns [N*B, heads, d]."""
+    nb, nh, d = q.shape
+    n = anchors.numel()
+    bsz = nb // n
+    nkv = k_ctx.shape[1]
+    g = nh // nkv
+    qh = q.reshape(nb, nkv, g, d)
+    s_ctx = torch.einsum("qkgd,lkd->kgql", qh, k_ctx) * scale  # [nkv, g, NB, L]
+    ctx_len = k_ctx.shape[0]
+    visible = (torch.arange(ctx_len, device=q.device)[None, :]
+               < anchors.repeat_interleave(bsz)[:, None])
+    s_ctx = s_ctx.masked_fill(~visible, float("-inf"))
+    qb = qh.view(n, bsz, nkv, g, d)
+    s_blk = torch.einsum("nqkgd,npkd->kgnqp", qb, k_blk.reshape(n, bsz, nkv, d)) * scale
+    scores = torch.cat([s_ctx, s_blk.reshape(nkv, g, nb, bsz)], dim=-1)
+    probs = scores.to(torch.promote_types(scores.dtype, torch.float32)).softmax(dim=-1)
+    probs = probs.to(v_ctx.dtype)
+    p_ctx, p_blk = probs.split([ctx_len, bsz], dim=-1)
+    out = torch.einsum("kgql,lkd->qkgd", p_ctx, v_ctx)
+    out = out + torch.einsum("kgnqp,npkd->nqkgd", p_blk.reshape(nkv, g, n, bsz, bsz),
+                             v_blk.reshape(n, bsz, nkv, d)).reshape(nb, nkv, g, d)
+    return out.reshape(nb, nh, d)
 
 
 def _mlp(layer: DraftLayer, x: torch.Tensor) -> torch.Tensor:
@@ -90,10 +122,9 @@ def train_forward(drafter: DFlashDrafter, taps: torch.Tensor, block_embeds: torc
     ctx = drafter.hidden_norm(drafter.fc(taps))
     ctx_pos = torch.arange(ctx_len, device=taps.device)
     q_pos = (anchors[:, None] + torch.arange(bsz, device=taps.device)[None, :]).reshape(-1)
-    mask = block_attention_mask(anchors, bsz, ctx_len)
     h = block_embeds
     for layer in drafter.layers:
-        h = h + _attention(layer, layer.input_layernorm(h), ctx, q_pos, ctx_pos, mask)
+        h = h + _attention(layer, layer.input_layernorm(h), ctx, q_pos, ctx_pos, anchors)
         h = h + _mlp(layer, layer.post_attention_layernorm(h))
     return drafter.norm(h)
 

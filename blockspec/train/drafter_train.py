@@ -243,15 +243,15 @@ class Trainer:
         seqs = [self.train_seqs[i]
                 for i in batch_indices(self.step, a.batch_size, len(self.train_seqs), a.seed)]
         self.opt.zero_grad(set_to_none=True)
-        total = 0.0
+        total = torch.zeros((), device=self.device)
         for seq in seqs:
             for share, _ in self.sequence_losses(seq, a.anchors_per_seq, gen):
                 (share / len(seqs)).backward()
-                total += share.item() / len(seqs)
+                total += share.detach() / len(seqs)  # NOTE: no host sync per sequence
         torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), a.grad_clip)
         self.opt.step()
         self.step += 1
-        return total
+        return total.item()
 
     @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
