@@ -44,7 +44,7 @@ def _profile(corpus_mb: float, tok_mb: float, target_s: int, samples: int, draft
         gen=["--num-samples", str(samples), "--prompt-tokens", "64", "--max-tokens", "256",
              "--max-num-seqs", "256"], gen_budget=samples // 32,
         drafter=["--block-size", "16", "--num-layers", "2", "--steps", "100000", "--batch-size",
-                 "16", "--max-len", "1024", "--anchor-chunk", "0", "--mask-token-id", "3",
+                 "16", "--max-len", "1024", "--anchor-chunk", "4096", "--mask-token-id", "3",
                  "--eval-every", "100", "--save-every", "0", "--lr", "1e-3",
                  "--time-budget-s", str(drafter_s)],
         drafter_budget=drafter_s + 40,

@@ -49,18 +49,20 @@ def test_block_sparse_attention_equals_masked_sdpa(heads, kv_heads):
 
     torch.manual_seed(heads)
     bsz, ctx_len, d = 4, 13, 8
-    anchors = torch.tensor([1, 5, 6, 9])
-    nb = anchors.numel() * bsz
-    q = torch.randn(nb, heads, d, dtype=torch.float64)
-    k_ctx, v_ctx = torch.randn(2, ctx_len, kv_heads, d, dtype=torch.float64)
-    k_blk, v_blk = torch.randn(2, nb, kv_heads, d, dtype=torch.float64)
+    anchors = torch.tensor([[1, 5, 6, 9], [2, 3, 8, 9]])  # two sequences, own contexts
+    seqs, nb = anchors.shape[0], anchors.shape[1] * bsz
+    q = torch.randn(seqs, nb, heads, d, dtype=torch.float64)
+    k_ctx, v_ctx = torch.randn(2, seqs, ctx_len, kv_heads, d, dtype=torch.float64)
+    k_blk, v_blk = torch.randn(2, seqs, nb, kv_heads, d, dtype=torch.float64)
     ours = block_sparse_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, d**-0.5)
-    keys = torch.cat([k_ctx, k_blk]).transpose(0, 1)
-    values = torch.cat([v_ctx, v_blk]).transpose(0, 1)
-    ref = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(0, 1), keys, values, attn_mask=block_attention_mask(anchors, bsz, ctx_len),
-        scale=d**-0.5, enable_gqa=heads != kv_heads).transpose(0, 1)
-    torch.testing.assert_close(ours, ref, rtol=1e-10, atol=1e-10)
+    for s in range(seqs):
+        keys = torch.cat([k_ctx[s], k_blk[s]]).transpose(0, 1)
+        values = torch.cat([v_ctx[s], v_blk[s]]).transpose(0, 1)
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q[s].transpose(0, 1), keys, values,
+            attn_mask=block_attention_mask(anchors[s], bsz, ctx_len), scale=d**-0.5,
+            enable_gqa=heads != kv_heads).transpose(0, 1)
+        torch.testing.assert_close(ours[s], ref, rtol=1e-10, atol=1e-10)
 
 
 def test_sample_anchors_leave_room_for_labels():
@@ -108,6 +110,15 @@ def test_train_forward_equals_paged_inference(models_root, qwen3_path):
         meta = AttentionMetadata.build([B], [a + B], [table], slots[a:], "cpu", causal=False)
         ref = drafter(embeds[i * B:(i + 1) * B], torch.arange(a, a + B), meta)
         torch.testing.assert_close(ours[i * B:(i + 1) * B], ref, atol=1e-4, rtol=1e-4)
+    # A batch of sequences in one pass == each sequence on its own (no cross-sequence leak).
+    taps2 = torch.randn(L, 2 * H, generator=gen)
+    anchors2 = torch.tensor([2, 3, 9, 10])
+    embeds2 = torch.randn(len(anchors2) * B, H, generator=gen)
+    both = train_forward(drafter, torch.stack([taps, taps2]), torch.cat([embeds, embeds2]),
+                         torch.stack([anchors, anchors2]))
+    torch.testing.assert_close(both[:len(embeds)], ours, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(both[len(embeds):], train_forward(drafter, taps2, embeds2, anchors2),
+                               atol=1e-5, rtol=1e-5)
 
 
 @pytest.fixture(scope="module")
@@ -264,6 +275,17 @@ def test_cut_prompts_windows():
         assert p == [7, 8, 9] or (len(p) == 10 and p == list(range(p[0], p[0] + 10)))
     with pytest.raises(ConfigError):
         cut_prompts([[]], 1, 4, seed=0)
+    # text documents: only the drawn ones are tokenised
+    seen = []
+
+    def tokenize(text):
+        seen.append(text)
+        return [ord(c) for c in text]
+
+    texts = ["a" * 40, "b" * 40, "c" * 4000]
+    prompts = cut_prompts(texts, 5, 8, seed=1, tokenize=tokenize)
+    assert len(prompts) == 5 and all(len(p) == 8 for p in prompts)
+    assert len(seen) == len(set(seen)) <= 3 and "c" * 4000 in seen
 
 
 def test_generate_data_writes_target_greedy_ids(tmp_path, qwen3_path):
@@ -285,3 +307,17 @@ def test_generate_data_writes_target_greedy_ids(tmp_path, qwen3_path):
         assert r["input_ids"][r["prompt_len"]:] == list(want)
     assert main(["generate-data", "--model", str(qwen3_path), "--data", str(docs), "--out",
                  str(tmp_path / "x.txt")]) != 0  # not .jsonl: a one-line error
+
+
+def test_batched_passes_give_the_per_sequence_loss(tmp_path, qwen3_path, greedy_corpus):
+    """Passes over several sequences, or over parts of one, sum to the same loss."""
+    losses = []
+    for chunk in (0, 7, 20, 1000):
+        trainer = Trainer(_args(qwen3_path, greedy_corpus, tmp_path / f"c{chunk}",
+                                anchor_chunk=chunk, anchors_per_seq=10))
+        seqs = trainer.train_seqs[:3] + [trainer.train_seqs[0][:40]]  # two lengths
+        gen = torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            losses.append(sum(sh.item() for sh, _ in trainer.batch_losses(seqs, 10, gen)))
+    for x in losses[1:]:
+        assert abs(x - losses[0]) < 1e-4 * abs(losses[0]), losses

@@ -27,7 +27,7 @@ def add_train_parser(subparsers: Any) -> None:
     tr.add_argument("--weight-decay", type=float, default=0.0)
     tr.add_argument("--max-len", type=int, default=1024, help="tokens per packed sequence")
     tr.add_argument("--anchors-per-seq", type=int, default=512)
-    tr.add_argument("--anchor-chunk", type=int, default=128,
+    tr.add_argument("--anchor-chunk", type=int, default=2048,
                     help="anchors per drafter pass: bounds memory, same gradient (0: all)")
     tr.add_argument("--gamma", type=float, default=None,
                     help="loss decay exp(-(k-1)/gamma); default 7 (B=16), 5 (B=10), 4 (B=8)")

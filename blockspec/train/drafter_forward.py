@@ -59,8 +59,10 @@ def _rope(attn: DraftAttention, x: torch.Tensor, positions: torch.Tensor) -> tor
 
 def _attention(layer: DraftLayer, x: torch.Tensor, ctx: torch.Tensor, q_pos: torch.Tensor,
                ctx_pos: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+    """x: [S*N*B, H] block states; ctx: [S*L, H] fused context; anchors [S, N]."""
     attn = layer.self_attn
     nh, nkv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    seqs = anchors.shape[0]
     q, k, v = attn.qkv_proj(x).split([attn.q_size, attn.kv_size, attn.kv_size], dim=-1)
     q = _rope(attn, attn.q_norm(q.reshape(-1, nh, d)), q_pos)
     k = _rope(attn, attn.k_norm(k.reshape(-1, nkv, d)), q_pos)
@@ -70,42 +72,45 @@ def _attention(layer: DraftLayer, x: torch.Tensor, ctx: torch.Tensor, q_pos: tor
     kv_ctx = F.linear(ctx, w, None if b is None else b[attn.q_size:])
     k_ctx, v_ctx = kv_ctx.split([attn.kv_size, attn.kv_size], dim=-1)
     k_ctx = _rope(attn, attn.k_norm(k_ctx.reshape(-1, nkv, d)), ctx_pos)
-    out = block_sparse_attention(q, k_ctx, v_ctx.reshape(-1, nkv, d), k, v.reshape(-1, nkv, d),
-                                 anchors, d**-0.5)
+    out = block_sparse_attention(
+        q.reshape(seqs, -1, nh, d), k_ctx.reshape(seqs, -1, nkv, d),
+        v_ctx.reshape(seqs, -1, nkv, d), k.reshape(seqs, -1, nkv, d),
+        v.reshape(seqs, -1, nkv, d), anchors, d**-0.5)
     return attn.o_proj(out.reshape(-1, attn.q_size))
 
 
 def block_sparse_attention(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor,
                            k_blk: torch.Tensor, v_blk: torch.Tensor, anchors: torch.Tensor,
                            scale: float) -> torch.Tensor:
-    """Attention under `block_attention_mask` without materialising it.
+    """Attention under `block_attention_mask`, per sequence, without materialising the mask.
 
-    q, k_blk, v_blk: [N*B, heads, d] (blocks in anchor order); k_ctx, v_ctx: [L, kv_heads, d].
-    NOTE: a query sees context positions < its anchor plus its own block's B keys, never another
-    block, so the scores are [N*B, L] (context, prefix-masked) and [N, B, B] (own block) under one
-    joint softmax: ~L + B columns per query instead of L + N*B. GQA: query head h reads kv head
-    h // (heads / kv_heads), as SDPA's enable_gqa. Returns [N*B, heads, d]."""
-    nb, nh, d = q.shape
-    n = anchors.numel()
+    q, k_blk, v_blk: [S, N*B, heads, d] (blocks in anchor order); k_ctx, v_ctx: [S, L, kv_heads,
+    d]; anchors: [S, N]. Returns [S, N*B, heads, d].
+    NOTE: a query sees its own sequence's context positions < its anchor plus its own block's B
+    keys, never another block, so the scores are [N*B, L] (context, prefix-masked) and [N, B, B]
+    (own block) under one joint softmax: L + B columns per query instead of L + N*B. GQA: query
+    head h reads kv head h // (heads / kv_heads), as SDPA's enable_gqa."""
+    seqs, nb, nh, d = q.shape
+    n = anchors.shape[1]
     bsz = nb // n
-    nkv = k_ctx.shape[1]
+    ctx_len, nkv = k_ctx.shape[1], k_ctx.shape[2]
     g = nh // nkv
-    qh = q.reshape(nb, nkv, g, d)
-    s_ctx = torch.einsum("qkgd,lkd->kgql", qh, k_ctx) * scale  # [nkv, g, NB, L]
-    ctx_len = k_ctx.shape[0]
-    visible = (torch.arange(ctx_len, device=q.device)[None, :]
-               < anchors.repeat_interleave(bsz)[:, None])
-    s_ctx = s_ctx.masked_fill(~visible, float("-inf"))
-    qb = qh.view(n, bsz, nkv, g, d)
-    s_blk = torch.einsum("nqkgd,npkd->kgnqp", qb, k_blk.reshape(n, bsz, nkv, d)) * scale
-    scores = torch.cat([s_ctx, s_blk.reshape(nkv, g, nb, bsz)], dim=-1)
+    qh = q.reshape(seqs, nb, nkv, g, d)
+    s_ctx = torch.einsum("sqkgd,slkd->skgql", qh, k_ctx) * scale  # [S, nkv, g, NB, L]
+    visible = (torch.arange(ctx_len, device=q.device)[None, None, :]
+               < anchors.repeat_interleave(bsz, dim=1)[:, :, None])  # [S, NB, L]
+    s_ctx = s_ctx.masked_fill(~visible[:, None, None], float("-inf"))
+    qb = qh.reshape(seqs, n, bsz, nkv, g, d)
+    s_blk = torch.einsum("snqkgd,snpkd->skgnqp", qb,
+                         k_blk.reshape(seqs, n, bsz, nkv, d)) * scale
+    scores = torch.cat([s_ctx, s_blk.reshape(seqs, nkv, g, nb, bsz)], dim=-1)
     probs = scores.to(torch.promote_types(scores.dtype, torch.float32)).softmax(dim=-1)
     probs = probs.to(v_ctx.dtype)
     p_ctx, p_blk = probs.split([ctx_len, bsz], dim=-1)
-    out = torch.einsum("kgql,lkd->qkgd", p_ctx, v_ctx)
-    out = out + torch.einsum("kgnqp,npkd->nqkgd", p_blk.reshape(nkv, g, n, bsz, bsz),
-                             v_blk.reshape(n, bsz, nkv, d)).reshape(nb, nkv, g, d)
-    return out.reshape(nb, nh, d)
+    out = torch.einsum("skgql,slkd->sqkgd", p_ctx, v_ctx)
+    out = out + torch.einsum("skgnqp,snpkd->snqkgd", p_blk.reshape(seqs, nkv, g, n, bsz, bsz),
+                             v_blk.reshape(seqs, n, bsz, nkv, d)).reshape(seqs, nb, nkv, g, d)
+    return out.reshape(seqs, nb, nh, d)
 
 
 def _mlp(layer: DraftLayer, x: torch.Tensor) -> torch.Tensor:
@@ -115,13 +120,20 @@ def _mlp(layer: DraftLayer, x: torch.Tensor) -> torch.Tensor:
 
 def train_forward(drafter: DFlashDrafter, taps: torch.Tensor, block_embeds: torch.Tensor,
                   anchors: torch.Tensor) -> torch.Tensor:
-    """taps: [L, n_taps*H] target hidden states (config order, concatenated) of one sequence;
-    block_embeds: [N*B, H] embedded blocks; anchors: [N]. Returns final-normed states [N*B, H]."""
+    """taps: [L, n_taps*H] target hidden states (config order, concatenated) of one sequence, or
+    [S, L, n_taps*H] for S equal-length sequences; block_embeds: [(S*)N*B, H] embedded blocks;
+    anchors: [N] or [S, N]. Returns final-normed states [(S*)N*B, H].
+
+    NOTE: S sequences run as one pass (bigger GEMMs, S times fewer launches); each block still
+    sees only its own sequence's context."""
+    if taps.dim() == 2:
+        taps, anchors = taps[None], anchors[None]
     bsz = drafter.config.block_size
-    ctx_len = taps.shape[0]
-    ctx = drafter.hidden_norm(drafter.fc(taps))
-    ctx_pos = torch.arange(ctx_len, device=taps.device)
-    q_pos = (anchors[:, None] + torch.arange(bsz, device=taps.device)[None, :]).reshape(-1)
+    seqs, ctx_len = taps.shape[:2]
+    dev = taps.device
+    ctx = drafter.hidden_norm(drafter.fc(taps.reshape(seqs * ctx_len, -1)))
+    ctx_pos = torch.arange(ctx_len, device=dev).repeat(seqs)
+    q_pos = (anchors[:, :, None] + torch.arange(bsz, device=dev)).reshape(-1)
     h = block_embeds
     for layer in drafter.layers:
         h = h + _attention(layer, layer.input_layernorm(h), ctx, q_pos, ctx_pos, anchors)
@@ -131,12 +143,14 @@ def train_forward(drafter: DFlashDrafter, taps: torch.Tensor, block_embeds: torc
 
 def block_inputs(tokens: torch.Tensor, anchors: torch.Tensor, block_size: int,
                  mask_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(block token ids [N, B], labels [N, B-1]) for anchors into one sequence's tokens."""
+    """(block token ids [..., N, B], labels [..., N, B-1]) for anchors [..., N] into tokens
+    [..., L] (one sequence, or a batch of equal-length ones)."""
     offsets = torch.arange(block_size, device=tokens.device)
-    labels = tokens[anchors[:, None] + offsets[None, 1:]]
-    blocks = torch.full((anchors.numel(), block_size), mask_token_id, dtype=tokens.dtype,
+    idx = anchors[..., None] + offsets[1:]
+    labels = tokens.gather(-1, idx.flatten(-2)).view_as(idx)
+    blocks = torch.full((*anchors.shape, block_size), mask_token_id, dtype=tokens.dtype,
                         device=tokens.device)
-    blocks[:, 0] = tokens[anchors]
+    blocks[..., 0] = tokens.gather(-1, anchors)
     return blocks, labels
 
 

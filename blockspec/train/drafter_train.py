@@ -54,7 +54,7 @@ class TrainArgs:
     grad_clip: float = 1.0
     max_len: int = 1024
     anchors_per_seq: int = 512
-    anchor_chunk: int = 128  # anchors per drafter pass (memory bound); 0: all at once
+    anchor_chunk: int = 2048  # anchors per drafter pass, across sequences (memory); 0: all
     gamma: float | None = None
     eval_fraction: float = 0.02
     eval_every: int = 100
@@ -92,12 +92,14 @@ class FrozenTarget:
 
     @torch.no_grad()
     def features(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [L] -> concatenated taps [L, n_taps*H] (config order), fp32."""
-        out = self.model.get_decoder()(input_ids=tokens[None], use_cache=False,
-                                       output_hidden_states=True)
+        """tokens [L] or [S, L] (equal lengths, no padding) -> concatenated taps [(S,) L,
+        n_taps*H] (config order), fp32."""
+        ids = tokens[None] if tokens.dim() == 1 else tokens
+        out = self.model.get_decoder()(input_ids=ids, use_cache=False, output_hidden_states=True)
         # NOTE: fp32 features and embeddings keep the drafter's residual stream in fp32; autocast
         # still runs its matmuls in bf16 on CUDA.
-        return torch.cat([out.hidden_states[i + 1][0] for i in self.layer_ids], dim=-1).float()
+        taps = torch.cat([out.hidden_states[i + 1] for i in self.layer_ids], dim=-1).float()
+        return taps[0] if tokens.dim() == 1 else taps
 
 
 def init_drafter(target_path: str, args: TrainArgs, tokenizer: Any,
@@ -199,31 +201,48 @@ class Trainer:
         return torch.autocast("cuda", dtype=torch.bfloat16,
                               enabled=self.device.type == "cuda")
 
-    def sequence_losses(self, seq: list[int], max_anchors: int, gen: torch.Generator
-                        ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """(loss share, per-block greedy tau) for each chunk of one sequence's anchors; the
-        shares sum to the sequence's weighted loss. Nothing for a sequence without anchors.
+    def batch_losses(self, seqs: list[list[int]], max_anchors: int, gen: torch.Generator
+                     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """(loss share, per-block greedy tau) per drafter pass; the
+        shares sum to the sum over `seqs` of each sequence's weighted loss (mean over its
+        anchors). Sequences too short for a block contribute nothing.
 
-        NOTE: the target runs once per sequence; anchors go through the drafter in chunks of
-        `anchor_chunk`, which bounds the dense mask and the vocab-sized logits. The caller may
-        backward each share as it comes: the gradient equals the unchunked one."""
+        NOTE: equal-length sequences share one target forward and run through the drafter
+        together, `anchor_chunk` anchors per pass at most (bounds the vocab-sized logits); a
+        sequence with more anchors than that is split across passes. The caller may backward
+        each share as it comes: the gradient equals the unchunked one."""
         cfg = self.drafter.config
-        tokens = torch.tensor(seq, device=self.device)
-        anchors = sample_anchors(len(seq), cfg.block_size, max_anchors, gen).to(self.device)
-        if anchors.numel() == 0:
-            return
-        taps = self.target.features(tokens)
-        chunk = self.args.anchor_chunk or anchors.numel()
-        for part in anchors.split(chunk):
-            blocks, labels = block_inputs(tokens, part, cfg.block_size, cfg.mask_token_id)
-            with torch.no_grad():
-                embeds = self.target.embed(blocks).flatten(0, 1).float()
-            with self.autocast():
-                states = train_forward(self.drafter, taps, embeds, part)
-                states = states.view(part.numel(), cfg.block_size, -1)[:, 1:]
-                logits = self.target.lm_head(states)
-            share = weighted_loss(logits, labels, self.weights) * (part.numel() / anchors.numel())
-            yield share, acceptance_length(logits.argmax(-1), labels)
+        bsz = cfg.block_size
+        groups: dict[int, list[list[int]]] = {}
+        for seq in seqs:
+            groups.setdefault(len(seq), []).append(seq)
+        for length, group in groups.items():
+            n = min(max_anchors, length - bsz)
+            if n <= 0:
+                continue
+            tokens = torch.tensor(group, device=self.device)
+            anchors = torch.stack([sample_anchors(length, bsz, max_anchors, gen)
+                                   for _ in group]).to(self.device)
+            taps = self.target.features(tokens)
+            per_pass = self.args.anchor_chunk or n * len(group)
+            if per_pass >= n:
+                k = per_pass // n
+                passes = [(slice(i, i + k), slice(0, n)) for i in range(0, len(group), k)]
+            else:
+                passes = [(slice(i, i + 1), slice(j, j + per_pass))
+                          for i in range(len(group)) for j in range(0, n, per_pass)]
+            for rows, cols in passes:
+                part = anchors[rows, cols]
+                blocks, labels = block_inputs(tokens[rows], part, bsz, cfg.mask_token_id)
+                with torch.no_grad():
+                    embeds = self.target.embed(blocks).flatten(0, 2).float()
+                with self.autocast():
+                    states = train_forward(self.drafter, taps[rows], embeds, part)
+                    states = states.view(part.numel(), bsz, -1)[:, 1:]
+                    logits = self.target.lm_head(states)
+                labels = labels.flatten(0, 1)
+                share = weighted_loss(logits, labels, self.weights) * (part.numel() / n)
+                yield share, acceptance_length(logits.argmax(-1), labels)
 
     def progress(self) -> float:
         """Fraction of the run done: steps, or time when a budget ends the run first (the LR
@@ -244,10 +263,9 @@ class Trainer:
                 for i in batch_indices(self.step, a.batch_size, len(self.train_seqs), a.seed)]
         self.opt.zero_grad(set_to_none=True)
         total = torch.zeros((), device=self.device)
-        for seq in seqs:
-            for share, _ in self.sequence_losses(seq, a.anchors_per_seq, gen):
-                (share / len(seqs)).backward()
-                total += share.detach() / len(seqs)  # NOTE: no host sync per sequence
+        for share, _ in self.batch_losses(seqs, a.anchors_per_seq, gen):
+            (share / len(seqs)).backward()
+            total += share.detach() / len(seqs)  # NOTE: no host sync per pass
         torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), a.grad_clip)
         self.opt.step()
         self.step += 1
@@ -258,15 +276,18 @@ class Trainer:
         """Held-out loss and greedy acceptance length tau (fixed anchors: comparable over time)."""
         self.drafter.eval()
         gen = torch.Generator().manual_seed(12345)
-        losses, taus = [], []
-        for seq in self.eval_seqs:
-            parts = list(self.sequence_losses(seq, self.args.eval_anchors, gen))
-            if parts:
-                losses.append(sum(share.item() for share, _ in parts))
-                taus.extend(tau.float() for _, tau in parts)
+        loss, taus = 0.0, []
+        seqs = self.eval_seqs
+        for i in range(0, len(seqs), self.args.batch_size):
+            for share, tau in self.batch_losses(seqs[i:i + self.args.batch_size],
+                                                   self.args.eval_anchors, gen):
+                loss += share.item()
+                taus.append(tau.float())
         if not taus:
             return {}
-        return {"eval_loss": sum(losses) / len(losses), "tau": torch.cat(taus).mean().item()}
+        # NOTE: every sequence with anchors is counted once in the share sums.
+        counted = sum(1 for s in seqs if len(s) > self.drafter.config.block_size)
+        return {"eval_loss": loss / counted, "tau": torch.cat(taus).mean().item()}
 
     def save(self, out: str | Path | None = None) -> Path:
         out = Path(out or self.args.out)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -38,16 +39,25 @@ def add_parser(subparsers: Any) -> None:
     gd.set_defaults(func=cmd_generate_data)
 
 
-def cut_prompts(docs: list[list[int]], n: int, length: int, seed: int) -> list[list[int]]:
+def cut_prompts(docs: list[str | list[int]], n: int, length: int, seed: int,
+                tokenize: Callable[[str], list[int]] | None = None) -> list[list[int]]:
     """`n` prompt windows of `length` tokens, from documents drawn with probability ~ their
-    length (a random start inside each); documents shorter than `length` give themselves."""
+    length (a random start inside each); documents shorter than `length` give themselves.
+
+    NOTE: text documents are weighted by characters and only the drawn ones are tokenised, so a
+    large corpus costs one pass of `len`, not a full tokenisation."""
     docs = [d for d in docs if d]
     if not docs:
         raise ConfigError("no non-empty document to cut prompts from")
     rng = random.Random(seed)
-    weights = [max(len(d) - length, 1) for d in docs]
+    picks = rng.choices(range(len(docs)), weights=[len(d) for d in docs], k=n)
+    cache: dict[int, list[int]] = {}
     out = []
-    for doc in rng.choices(docs, weights=weights, k=n):
+    for i in picks:
+        if i not in cache:
+            d = docs[i]
+            cache[i] = d if isinstance(d, list) else tokenize(d)
+        doc = cache[i]
         start = rng.randrange(len(doc) - length + 1) if len(doc) > length else 0
         out.append(doc[start:start + length])
     return out
@@ -74,9 +84,8 @@ def cmd_generate_data(args: argparse.Namespace) -> int:
         kw["max_model_len"] = args.max_model_len
     llm = LLM(args.model, **kw)
     tok = llm.tokenizer
-    docs = [d if isinstance(d, list) else tok(d, add_special_tokens=False)["input_ids"]
-            for d in read_texts(args.data, tok)]
-    prompts = cut_prompts(docs, args.num_samples, args.prompt_tokens, args.seed)
+    prompts = cut_prompts(list(read_texts(args.data, tok)), args.num_samples, args.prompt_tokens,
+                          args.seed, lambda t: tok(t, add_special_tokens=False)["input_ids"])
     limit = llm.engine.max_model_len
     if args.prompt_tokens + args.max_tokens > limit:
         raise ConfigError(f"--prompt-tokens + --max-tokens ({args.prompt_tokens + args.max_tokens})"
