@@ -200,6 +200,17 @@ class EngineConfig:
     draft: str | None = None  # DFlash drafter folder: enables speculative decoding
     block_size: int | None = None  # speculative block (verified tokens); None: the drafter's
     enforce_eager: bool = False  # CUDA: no graphs
+    # Speculation policy (with a drafter): "adaptive" picks plain decode or one of `block_sizes`
+    # each step from measured step costs and live acceptance; "fixed" always runs the max block.
+    # Without a drafter the policy and the profile are ignored, and `block_sizes` is refused.
+    speculation_policy: str = "adaptive"
+    # Block lengths the adaptive policy may run (the max block is always one). None: those of
+    # 4, 8, 16 below the max block, plus the max block (`block_size`, else the largest given
+    # here, else the drafter's trained block size).
+    block_sizes: tuple[int, ...] | None = None
+    # Step-cost profile file (adaptive mode). None: a cache file under ~/.cache/blockspec
+    # (or $BLOCKSPEC_CACHE) on CUDA, none on CPU; "none" or "": measure every start, never save.
+    cost_profile: str | None = None
     attention_backend: str = "auto"  # auto: triton on CUDA, torch on CPU
     # Benchmark-only: accept each draft position with this probability instead of checking it.
     # Output is then NOT the target's; `benchmark_mode=True` must be set to use it.
@@ -231,6 +242,7 @@ class EngineConfig:
             raise ConfigError(f"block_size must be >= 2, got {self.block_size}")
         if self.block_size is not None and self.draft is None:
             raise ConfigError("block_size is the speculative block length: it needs a draft model")
+        self._validate_speculation()
         if self.synthetic_acceptance is not None:
             if not self.benchmark_mode:
                 raise ConfigError("synthetic acceptance is a benchmark-only mode (its output is "
@@ -246,6 +258,28 @@ class EngineConfig:
             raise ConfigError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ConfigError("num_kv_blocks must be positive")
+
+    def _validate_speculation(self) -> None:
+        if self.speculation_policy not in ("adaptive", "fixed"):
+            raise ConfigError(f"speculation policy must be adaptive or fixed, got "
+                              f"{self.speculation_policy!r}")
+        if self.block_sizes is None:
+            return
+        try:
+            sizes = tuple(sorted({int(b) for b in self.block_sizes}))
+        except (TypeError, ValueError):
+            raise ConfigError(f"block sizes must be integers, got {self.block_sizes!r}") from None
+        if not sizes:
+            raise ConfigError("block sizes must not be empty")
+        if sizes[0] < 2:
+            raise ConfigError(f"block sizes must be >= 2 (1 is plain decode, always a choice), "
+                              f"got {list(sizes)}")
+        if self.draft is None:
+            raise ConfigError("block sizes are speculative block lengths: they need a draft model")
+        if self.block_size is not None and sizes[-1] > self.block_size:
+            raise ConfigError(f"block sizes {list(sizes)} exceed block_size {self.block_size} "
+                              "(the max block)")
+        self.block_sizes = sizes
 
     def resolve_dtype(self, checkpoint_dtype: torch.dtype) -> torch.dtype:
         """`auto`: the checkpoint's dtype on CUDA (fp32 checkpoints run in bf16), fp32 on CPU."""

@@ -45,8 +45,9 @@ def const_pair(models_root):
 @pytest.mark.parametrize("block_size", [2, 4, 8, 16])
 def test_greedy_identical_to_autoregressive(qwen3_path, drafter16, prompts32, ar_reference,
                                             block_size):
+    # NOTE: fixed policy: every step runs the whole block (adaptive: tests/test_policy_engine.py).
     llm = LLM(str(qwen3_path), device="cpu", num_kv_blocks=512, draft=str(drafter16),
-              block_size=block_size)
+              block_size=block_size, speculation_policy="fixed")
     outs = llm.generate(prompts32, GREEDY)
     assert [o.token_ids for o in outs] == ar_reference
     stats = llm.engine.spec_stats
@@ -75,7 +76,8 @@ def test_greedy_identical_with_preemption_and_prefix_cache(qwen3_path, drafter16
 
 def test_acceptance_path_reaches_block_size(const_pair):
     target, drafter = const_pair
-    llm = LLM(str(target), device="cpu", num_kv_blocks=128, draft=str(drafter))
+    llm = LLM(str(target), device="cpu", num_kv_blocks=128, draft=str(drafter),
+              speculation_policy="fixed")
     out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=64,
                                                     ignore_eos=True))[0]
     assert out.token_ids == [5] * 64
@@ -145,7 +147,8 @@ def test_sampling_is_lossless(const_pair):
     outcomes; critical value for 26 dof at p=0.001 is 54.05."""
     target, drafter = const_pair
     p = {5: 0.5, 6: 0.3, 0: 0.2}
-    llm = LLM(str(target), device="cpu", num_kv_blocks=2048, draft=str(drafter), seed=3)
+    llm = LLM(str(target), device="cpu", num_kv_blocks=2048, draft=str(drafter), seed=3,
+              speculation_policy="fixed")
     n = 1500
     outs = llm.generate([[1, 2, 3]] * n, SamplingParams(temperature=1.0, max_tokens=4,
                                                          ignore_eos=True))
@@ -230,7 +233,7 @@ def test_checkpoint_format_and_pairing_errors(models_root, qwen3_path, llama_pat
 
 def test_request_outputs_carry_spec_metrics(qwen3_path, drafter16):
     llm = LLM(str(qwen3_path), device="cpu", num_kv_blocks=128, draft=str(drafter16),
-              block_size=4)
+              block_size=4, speculation_policy="fixed")
     out = llm.generate([[7, 8, 9]], GREEDY)[0]
     spec = out.metrics.spec
     assert spec.num_steps >= 1 and spec.num_draft_tokens == 3 * spec.num_steps
@@ -244,7 +247,8 @@ def test_synthetic_acceptance_is_benchmark_only(qwen3_path, drafter16, prompts32
     with pytest.raises(ConfigError, match="benchmark-only"):
         LLM(str(qwen3_path), device="cpu", draft=str(drafter16), synthetic_acceptance=0.8)
     llm = LLM(str(qwen3_path), device="cpu", num_kv_blocks=512, draft=str(drafter16),
-              block_size=8, synthetic_acceptance=0.8, benchmark_mode=True)
+              block_size=8, synthetic_acceptance=0.8, benchmark_mode=True,
+              speculation_policy="fixed")
     outs = llm.generate(prompts32[:16], SamplingParams(temperature=0, max_tokens=48,
                                                        ignore_eos=True))
     assert all(len(o.token_ids) == 48 for o in outs)

@@ -170,7 +170,7 @@ def test_checkpoint_serves_losslessly(trained, qwen3_path, greedy_corpus):
     assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["block_size"] == 4
     prompts = [r["text"][:30] for r in map(json.loads, greedy_corpus.read_text().splitlines())]
     ar = [o.token_ids for o in LLM(str(qwen3_path), device="cpu").generate(prompts[:4], GREEDY)]
-    llm = LLM(str(qwen3_path), device="cpu", draft=str(out))
+    llm = LLM(str(qwen3_path), device="cpu", draft=str(out), speculation_policy="fixed")
     assert [o.token_ids for o in llm.generate(prompts[:4], GREEDY)] == ar
     assert llm.engine.spec_stats.num_steps > 0
 

@@ -34,10 +34,13 @@ from blockspec.sampling_params import SamplingParams
 from blockspec.spec.metrics import SpecStats
 
 
-def default_label(model: str, draft: str | None, block: int, synthetic: float | None) -> str:
+def default_label(model: str, draft: str | None, block: int, synthetic: float | None,
+                  policy: str = "fixed", block_lens: list[int] | None = None) -> str:
     label = Path(model).name or model
     if draft:
-        label += f" + DFlash {Path(draft).name or draft} (block {block})"
+        how = (f"adaptive, blocks {'/'.join(map(str, block_lens))}"
+               if policy == "adaptive" and block_lens and len(block_lens) > 1 else f"block {block}")
+        label += f" + DFlash {Path(draft).name or draft} ({how})"
     else:
         label += " (autoregressive)"
     if synthetic is not None:
@@ -141,7 +144,8 @@ def run_offline(args: argparse.Namespace, engine_kwargs: Callable[[argparse.Name
                             ignore_eos=args.ignore_eos)
     synthetic = args.synthetic_acceptance
     label = args.label or default_label(model, engine.config.draft, engine.spec_block_size,
-                                        synthetic)
+                                        synthetic, engine.config.speculation_policy,
+                                        engine.spec_block_lens)
     if synthetic is not None and "synthetic" not in label.lower():
         label += f" [SYNTHETIC acceptance a={synthetic:g}]"
     result = new_result("offline", args, label, synthetic)

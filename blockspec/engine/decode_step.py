@@ -28,16 +28,27 @@ class StepBuffers:
     ctx_lens: torch.Tensor  # [S] int64: tokens already in the cache (= position of last token)
     block_tables: torch.Tensor  # [S, max_blocks] int32
     uniforms: torch.Tensor  # [S, Q-1] fp32: synthetic-acceptance draws (benchmarks only)
+    # NOTE: a device scalar, not a Python float, so graphs captured once serve any synthetic
+    # acceptance probability set later (benchmarks switch it between runs).
+    acceptance: torch.Tensor  # [] fp32: synthetic acceptance probability (benchmarks only)
 
     @classmethod
-    def allocate(cls, max_seqs: int, max_blocks: int, q: int,
-                 device: torch.device) -> StepBuffers:
+    def allocate(cls, max_seqs: int, max_blocks: int, q: int, device: torch.device,
+                 acceptance: float = 0.0) -> StepBuffers:
+        """Buffers for steps of any block length up to `q` (the max block)."""
         return cls(
             last_tokens=torch.zeros(max_seqs, dtype=torch.int64, device=device),
             ctx_lens=torch.zeros(max_seqs, dtype=torch.int64, device=device),
             block_tables=torch.zeros(max_seqs, max_blocks, dtype=torch.int32, device=device),
             uniforms=torch.ones(max_seqs, max(q - 1, 1), dtype=torch.float32, device=device),
+            acceptance=torch.tensor(float(acceptance), dtype=torch.float32, device=device),
         )
+
+
+def graph_buckets(max_num_seqs: int) -> list[int]:
+    """Batch sizes that get a CUDA graph (a batch replays the smallest bucket that fits)."""
+    return [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256, 512) if b < max_num_seqs] \
+        + [max_num_seqs]
 
 
 @dataclass
@@ -49,15 +60,17 @@ class StepOutputs:
 
 
 class DecodeStep:
+    """One step of block length `q`: 1 = plain decode (with a proposer it still writes the
+    drafter's context K/V for the verified token), q > 1 = draft q - 1 tokens and verify q."""
+
     def __init__(self, model: CausalLM, proposer: DFlashProposer | None, q: int,
-                 kv_block_size: int, max_seq_len: int,
-                 synthetic_acceptance: float | None = None) -> None:
+                 kv_block_size: int, max_seq_len: int, synthetic: bool = False) -> None:
         self.model = model
         self.proposer = proposer
         self.q = q
         self.kv_block_size = kv_block_size
         self.max_seq_len = max_seq_len
-        self.synthetic_acceptance = synthetic_acceptance
+        self.synthetic = synthetic  # accept drafts with probability bufs.acceptance (benchmarks)
 
     def metadata(self, bufs: StepBuffers, s: int, causal: bool
                  ) -> tuple[torch.Tensor, AttentionMetadata]:
@@ -107,8 +120,8 @@ class DecodeStep:
         target = logits.argmax(dim=-1).view(s, q)
         acc = None
         if drafts is not None:
-            if self.synthetic_acceptance is not None:
-                hits = bufs.uniforms[:s, : q - 1] < self.synthetic_acceptance
+            if self.synthetic:
+                hits = bufs.uniforms[:s, : q - 1] < bufs.acceptance
                 acc = hits.to(torch.int64).cumprod(dim=1).sum(dim=1)
             else:
                 acc = num_accepted(drafts, target)
@@ -125,9 +138,12 @@ class GraphedDecodeStep:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, StepOutputs] = {}
 
-    def capture(self) -> None:
-        pool = torch.cuda.graph_pool_handle()
-        stream = torch.cuda.Stream()
+    def capture(self, pool: tuple | None = None, stream: torch.cuda.Stream | None = None
+                ) -> None:
+        """Captures every bucket. Pass one `pool` to several instances (largest block first),
+        so all their graphs share one memory pool."""
+        pool = torch.cuda.graph_pool_handle() if pool is None else pool
+        stream = torch.cuda.Stream() if stream is None else stream
         # NOTE: largest first, so smaller graphs reuse the pool's memory.
         for s in reversed(self.buckets):
             stream.wait_stream(torch.cuda.current_stream())

@@ -2,12 +2,16 @@
 
 Decoding a window `[prefix_offset, ...)` rather than the newest token alone keeps tokenizers that
 merge spaces or bytes across tokens (byte-level BPE, SentencePiece) correct; text is emitted only
-once it no longer ends in a replacement character.
+once it no longer ends in a replacement character. Also: loading the tokenizer, and the EOS ids.
 """
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
+
+from blockspec.config import ConfigError, ModelConfig
 
 
 class IncrementalDetokenizer:
@@ -33,3 +37,24 @@ class IncrementalDetokenizer:
             self.text += delta
             return delta
         return ""
+
+
+def load_tokenizer(path: str) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:  # transformers raises many types for a broken folder
+        raise ConfigError(f"could not load a tokenizer from {path!r}: {e}") from None
+
+
+def eos_token_ids(model_config: ModelConfig, model_path: str, tokenizer: Any) -> tuple[int, ...]:
+    """config.json's EOS ids, plus generation_config.json's; the tokenizer's if neither has any."""
+    ids = set(model_config.eos_token_ids)
+    gen_cfg = Path(model_path) / "generation_config.json"
+    if gen_cfg.is_file():
+        eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else ([eos] if eos is not None else []))
+    if not ids and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return tuple(sorted(ids))

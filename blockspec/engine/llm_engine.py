@@ -3,41 +3,32 @@
 from __future__ import annotations
 
 import itertools
-import json
 import operator
 import time
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import torch
 
 from blockspec.config import ConfigError, EngineConfig, ModelConfig
-from blockspec.engine.detokenizer import IncrementalDetokenizer
+from blockspec.engine.decode_step import graph_buckets
+from blockspec.engine.detokenizer import IncrementalDetokenizer, eos_token_ids, load_tokenizer
 from blockspec.engine.kv_cache import BlockManager
-from blockspec.engine.model_runner import (
-    ModelRunner,
+from blockspec.engine.memory import (
     decide_num_blocks,
+    graph_output_bytes,
     kv_bytes_per_block,
     profile_activation_bytes,
 )
+from blockspec.engine.model_runner import ModelRunner
 from blockspec.engine.scheduler import Scheduler
 from blockspec.engine.sequence import Sequence
+from blockspec.engine.speculation import resolve_block_lens
 from blockspec.layers.attention import PagedAttention, get_backend
 from blockspec.models.loader import load_model
 from blockspec.outputs import RequestOutput
 from blockspec.sampling_params import SamplingParams
 from blockspec.spec.metrics import SpecStats
 from blockspec.spec.proposer import DFlashProposer, load_drafter
-
-
-def load_tokenizer(path: str) -> Any:
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(path)
-    except Exception as e:  # transformers raises many types for a broken folder
-        raise ConfigError(f"could not load a tokenizer from {path!r}: {e}") from None
 
 
 @dataclass
@@ -67,15 +58,17 @@ class LLMEngine:
         self.device = torch.device(config.device)
         self.tokenizer = load_tokenizer(config.tokenizer or config.model)
         self.model = load_model(config.model, mc, self.dtype, self.device, config.load_format)
-        self.eos_token_ids = self._eos_ids()
+        self.eos_token_ids = eos_token_ids(self.model_config, config.model, self.tokenizer)
 
         per_block = kv_bytes_per_block(mc, config.kv_block_size, self.dtype)
         drafter = None
-        self.spec_block_size = 0
+        self.spec_block_size = 0  # the max block: fixed mode's, and the lookahead reserve's
+        self.spec_block_lens: list[int] = []  # speculative block lengths the policy may run
         if config.draft is not None:
             drafter = load_drafter(config.draft, mc, self.max_model_len, self.dtype, self.device,
                                    config.load_format)
-            self.spec_block_size = config.block_size or drafter.config.block_size
+            self.spec_block_size, self.spec_block_lens = resolve_block_lens(
+                config, drafter.config.block_size)
             if config.max_num_batched_tokens < self.spec_block_size:
                 raise ConfigError(f"max_num_batched_tokens ({config.max_num_batched_tokens}) "
                                   f"must be >= the block size ({self.spec_block_size})")
@@ -90,6 +83,11 @@ class LLMEngine:
                 self.model, min(config.max_num_batched_tokens, self.max_model_len),
                 config.max_num_seqs * max(self.spec_block_size, 1), config.kv_block_size,
                 self.dtype)
+            if not config.enforce_eager:
+                adaptive = drafter is not None and config.speculation_policy == "adaptive"
+                lens = [1, *self.spec_block_lens] if adaptive else [max(self.spec_block_size, 1)]
+                activation += graph_output_bytes(lens, graph_buckets(config.max_num_seqs),
+                                                 mc.vocab_size, self.dtype)
         num_blocks = decide_num_blocks(config, per_block, activation)
         self.block_manager = BlockManager(num_blocks, config.kv_block_size,
                                           config.enable_prefix_caching)
@@ -101,7 +99,7 @@ class LLMEngine:
             proposer = DFlashProposer(drafter, self.model, self.spec_block_size, num_blocks + 1,
                                       config.kv_block_size, self.dtype, self.device)
         self.runner = ModelRunner(config, mc, self.model, self.block_manager, self.dtype,
-                                  self.max_model_len, proposer)
+                                  self.max_model_len, proposer, self.spec_block_lens)
         self.spec_stats = SpecStats()
         self.requests: dict[str, _Request] = {}
         self._ids = itertools.count()
@@ -116,16 +114,6 @@ class LLMEngine:
                 if isinstance(m, PagedAttention):
                     m.backend = backend
         self.attention_backend = name
-
-    def _eos_ids(self) -> tuple[int, ...]:
-        ids = set(self.model_config.eos_token_ids)
-        gen_cfg = Path(self.config.model) / "generation_config.json"
-        if gen_cfg.is_file():
-            eos = json.loads(gen_cfg.read_text()).get("eos_token_id")
-            ids.update(eos if isinstance(eos, list) else ([eos] if eos is not None else []))
-        if not ids and self.tokenizer.eos_token_id is not None:
-            ids.add(self.tokenizer.eos_token_id)
-        return tuple(sorted(ids))
 
     # -- requests -------------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
@@ -206,10 +194,15 @@ class LLMEngine:
         res = self.runner.execute(sched.seqs, sched.num_new_tokens)
         now = time.monotonic()
         finishing: dict[int, tuple[str, str | int | None]] = {}
-        for seq, toks, lps, drafted, acc in zip(res.sampled_seqs, res.tokens, res.logprobs,
-                                                res.drafted, res.accepted):
+        spec = self.runner.proposer is not None
+        if spec:
+            self.spec_stats.record_block_len(res.block_len)
+        for seq, toks, lps, drafted, acc, blen in zip(res.sampled_seqs, res.tokens, res.logprobs,
+                                                      res.drafted, res.accepted, res.block_lens):
             seq.metrics.spec.record(drafted, acc)
             self.spec_stats.record(drafted, acc)
+            if spec:
+                seq.metrics.spec.record_block_len(blen)
             reason = self._append(self.requests[seq.request_id], toks, lps, now)
             if reason is not None:
                 finishing[id(seq)] = reason

@@ -45,6 +45,7 @@ class EngineStats:
     spec_accepted_tokens: int = 0
     spec_drafted_per_position: tuple[int, ...] = ()
     spec_accepted_per_position: tuple[int, ...] = ()
+    spec_block_len_steps: tuple[tuple[int, int], ...] = ()  # (block length, engine steps)
 
 
 @dataclass
@@ -259,7 +260,8 @@ class AsyncEngine:
             spec_verify_steps=spec.num_steps, spec_draft_tokens=spec.num_draft_tokens,
             spec_accepted_tokens=spec.num_accepted_tokens,
             spec_drafted_per_position=tuple(spec.drafted_per_position),
-            spec_accepted_per_position=tuple(spec.accepted_per_position))
+            spec_accepted_per_position=tuple(spec.accepted_per_position),
+            spec_block_len_steps=tuple(sorted(spec.block_len_steps.items())))
 
     def _close(self) -> None:
         """Fail whatever is still waiting on this thread; nothing can be queued after this."""

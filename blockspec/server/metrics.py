@@ -57,6 +57,13 @@ class _EngineCollector(Collector):
             for j, v in enumerate(values):
                 fam.add_metric([str(j)], v)
             yield fam
+        # NOTE: engine steps by the block length the speculation policy ran (1 = plain decode).
+        fam = CounterMetricFamily("blockspec_spec_decode_block_len_steps",
+                                  "Decode steps by block length (1 = plain decode)",
+                                  labels=["block_len"])
+        for block_len, steps in s.spec_block_len_steps:
+            fam.add_metric([str(block_len)], steps)
+        yield fam
 
 
 class ServerMetrics:

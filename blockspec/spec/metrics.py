@@ -14,6 +14,10 @@ class SpecStats:
     drafted_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
     acceptance_length_hist: Counter = field(default_factory=Counter)  # tau -> steps
+    # Decode steps by block length run (1 = plain decode, no drafts). Engine-wide: one count per
+    # engine step (the policy's choice); per request: one count per step of that request (its
+    # block, which may be shorter than the choice near the end of the context).
+    block_len_steps: Counter = field(default_factory=Counter)
 
     def record(self, drafted: int, accepted: int) -> None:
         if drafted <= 0:
@@ -30,6 +34,10 @@ class SpecStats:
             self.accepted_per_position[j] += j < accepted
         self.acceptance_length_hist[accepted + 1] += 1
 
+    def record_block_len(self, block_len: int) -> None:
+        if block_len >= 1:
+            self.block_len_steps[block_len] += 1
+
     def merge(self, other: SpecStats) -> None:
         for j in range(len(other.drafted_per_position)):
             while len(self.drafted_per_position) <= j:
@@ -41,6 +49,7 @@ class SpecStats:
         self.num_draft_tokens += other.num_draft_tokens
         self.num_accepted_tokens += other.num_accepted_tokens
         self.acceptance_length_hist.update(other.acceptance_length_hist)
+        self.block_len_steps.update(other.block_len_steps)
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -53,6 +62,10 @@ class SpecStats:
         """P(draft j accepted | drafted), j = 1..B-1 (acceptance is prefix-wise)."""
         return [a / d if d else 0.0
                 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
+
+    def block_len_summary(self) -> str:
+        """`{1:12 4:3 16:40}`: decode steps by block length (1 = plain decode)."""
+        return "{" + " ".join(f"{k}:{v}" for k, v in sorted(self.block_len_steps.items())) + "}"
 
     def summary(self) -> str:
         rates = " ".join(f"{r:.2f}" for r in self.acceptance_rate_per_position)

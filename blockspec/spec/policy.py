@@ -16,6 +16,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from blockspec.spec.acceptance import AcceptanceTracker, expected_committed_from_rates
+
+__all__ = ["PROFILE_VERSION", "AcceptanceTracker", "SpeculationPolicy", "StepCostModel",
+           "expected_committed_from_rates", "profile_key"]
+
 PROFILE_VERSION = 1
 
 
@@ -112,94 +117,19 @@ class StepCostModel:
         return cls.from_json(data)
 
 
-class AcceptanceTracker:
-    """Exponentially decayed per-position acceptance counts (positions j = 1, 2, ...).
-
-    NOTE: acceptance is prefix-wise: in a step with `accepted` = k of `drafted` = d, positions
-    1..min(k+1, d) were reached and positions 1..k accepted. Each observation (and each `tick`)
-    first multiplies all counts by 0.5 ** (1 / half_life), so evidence `half_life` verify steps
-    old weighs half as much as fresh evidence.
-    """
-
-    def __init__(self, half_life: float = 64.0, prior_mean: float = 0.5,
-                 prior_weight: float = 2.0) -> None:
-        if not half_life > 0:
-            raise ValueError("half_life must be > 0")
-        if not 0.0 < prior_mean < 1.0:
-            raise ValueError("prior_mean must be in (0, 1)")
-        if not prior_weight > 0:
-            raise ValueError("prior_weight must be > 0")
-        self.half_life = float(half_life)
-        self.decay = 0.5 ** (1.0 / half_life)
-        self.prior_mean = float(prior_mean)
-        self.prior_weight = float(prior_weight)
-        self.reached: list[float] = []
-        self.accepted: list[float] = []
-
-    def tick(self) -> None:
-        """Decay without an observation (e.g. a plain-decode step), so stale evidence fades."""
-        self.reached = [x * self.decay for x in self.reached]
-        self.accepted = [x * self.decay for x in self.accepted]
-
-    def observe(self, drafted: int, accepted: int) -> None:
-        if not 0 <= accepted <= drafted:
-            raise ValueError(f"need 0 <= accepted <= drafted, got {accepted}/{drafted}")
-        if drafted == 0:
-            return
-        self.tick()
-        if drafted > len(self.reached):
-            grow = drafted - len(self.reached)
-            self.reached += [0.0] * grow
-            self.accepted += [0.0] * grow
-        for j in range(min(accepted + 1, drafted)):  # index j is position j + 1
-            self.reached[j] += 1.0
-            self.accepted[j] += j < accepted
-
-    def conditional_rates(self, n: int | None = None) -> list[float]:
-        """p_j = P(accept j | reached j), j = 1..n (default: positions observed so far).
-
-        NOTE: Beta prior with weight `prior_weight`; position 1's prior mean is `prior_mean`, and
-        position j's is p_{j-1}, so a position never reached (e.g. beyond the block lengths run
-        so far) extrapolates its predecessor instead of snapping back to `prior_mean`.
-        """
-        n = len(self.reached) if n is None else n
-        rates: list[float] = []
-        mean = self.prior_mean
-        w = self.prior_weight
-        for j in range(n):
-            r = self.reached[j] if j < len(self.reached) else 0.0
-            a = self.accepted[j] if j < len(self.accepted) else 0.0
-            mean = (a + w * mean) / (r + w)
-            rates.append(mean)
-        return rates
-
-    def expected_committed(self, block_len: int) -> float:
-        """E[tokens committed per verify step of length L] = 1 + sum_{k<L} prod_{j<=k} p_j."""
-        return expected_committed_from_rates(self.conditional_rates(block_len - 1), block_len)
-
-
-def expected_committed_from_rates(rates: Sequence[float], block_len: int) -> float:
-    if block_len < 1 or len(rates) < block_len - 1:
-        raise ValueError(f"need block_len >= 1 and {block_len - 1} rates, got {len(rates)}")
-    total, reach = 1.0, 1.0
-    for p in rates[:block_len - 1]:
-        reach *= p
-        total += reach
-    return total
-
-
 class SpeculationPolicy:
     """Chooses plain decode (1) or one of `block_lens` for each step.
 
     NOTE: deterministic given (batch_size, tracker state, call history); ties go to the smaller
     block length. Speculation is chosen only if its best rate exceeds min_gain * the plain rate.
     `probe_every` > 0: after that many consecutive plain-decode choices in adaptive mode, the next
-    choice is the smallest block, so acceptance statistics can recover (plain steps observe none).
+    choice is the smallest block, so acceptance statistics can recover (plain steps observe none);
+    `probe_overhead` > 0 additionally bounds the probes' modelled cost (see `_probe_affordable`).
     """
 
     def __init__(self, cost_model: StepCostModel, block_lens: Sequence[int] = (4, 8, 16),
                  mode: str = "adaptive", fixed_len: int = 16, min_gain: float = 1.0,
-                 probe_every: int = 0) -> None:
+                 probe_every: int = 0, probe_overhead: float = 0.0) -> None:
         if mode not in ("adaptive", "fixed"):
             raise ValueError(f"mode must be 'adaptive' or 'fixed', got {mode!r}")
         self.block_lens = sorted({int(L) for L in block_lens})
@@ -210,14 +140,16 @@ class SpeculationPolicy:
             raise ValueError(f"fixed_len {fixed_len} not in block_lens {self.block_lens}")
         if mode == "adaptive" and missing:
             raise ValueError(f"cost model lacks block lengths {missing}")
-        if min_gain <= 0 or probe_every < 0:
-            raise ValueError("min_gain must be > 0 and probe_every >= 0")
+        if min_gain <= 0 or probe_every < 0 or probe_overhead < 0:
+            raise ValueError("min_gain must be > 0, probe_every and probe_overhead >= 0")
         self.cost_model = cost_model
         self.mode = mode
         self.fixed_len = fixed_len
         self.min_gain = float(min_gain)
         self.probe_every = probe_every
+        self.probe_overhead = float(probe_overhead)
         self._plain_streak = 0
+        self._plain_time = 0.0  # modelled seconds spent in the current plain streak
 
     def rates(self, batch_size: int, tracker: AcceptanceTracker) -> dict[int, float]:
         """Expected committed tokens/s for each candidate (1 and every block length)."""
@@ -241,12 +173,25 @@ class SpeculationPolicy:
         choice = self._best(self.rates(batch_size, tracker))
         if choice == 1:
             self._plain_streak += 1
-            if self.probe_every and self._plain_streak > self.probe_every:
-                self._plain_streak = 0
+            self._plain_time += self.cost_model.cost(batch_size, 1)
+            if self.probe_every and self._plain_streak > self.probe_every \
+                    and self._probe_affordable(batch_size):
+                self._plain_streak, self._plain_time = 0, 0.0
                 return self.block_lens[0]
         else:
-            self._plain_streak = 0
+            self._plain_streak, self._plain_time = 0, 0.0
         return choice
+
+    def _probe_affordable(self, batch_size: int) -> bool:
+        """With `probe_overhead` > 0, a probe also waits until its worst-case extra time (a probe
+        that commits one token per sequence, like a plain step) is at most that fraction of the
+        time spent in the plain streak: at large batches verification costs several plain steps,
+        so probes there are rarer."""
+        if not self.probe_overhead:
+            return True
+        extra = self.cost_model.cost(batch_size, self.block_lens[0]) \
+            - self.cost_model.cost(batch_size, 1)
+        return extra <= self.probe_overhead * self._plain_time
 
     def explain(self, batch_size: int, tracker: AcceptanceTracker) -> dict[str, Any]:
         """Per-candidate expected rate and tau, plus the argmax (side-effect free)."""

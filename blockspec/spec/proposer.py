@@ -70,11 +70,14 @@ class DFlashProposer:
         self.drafter.write_context(self.drafter.fuse(taps), positions, slot_mapping)
 
     def propose(self, last_tokens: list[int], block_lens: list[int], context_lens: list[int],
-                block_tables: list[list[int]], slots: list[list[int]]) -> torch.Tensor:
+                block_tables: list[list[int]], slots: list[list[int]],
+                width: int | None = None) -> torch.Tensor:
         """Drafts `block_lens[i] - 1` tokens after each sequence's last committed token.
 
         Sequence i's block sits at positions [context_lens[i], context_lens[i] + block_lens[i]),
-        writing its K/V to `slots[i]`. Returns [S, self.block_size - 1] int64, padded with -1.
+        writing its K/V to `slots[i]`; a block shorter than the max is the same drafter pass on
+        [last, mask * (block_lens[i] - 1)]. Returns [S, width - 1] int64 (default width: the max
+        block), padded with -1.
         """
         ids, positions, flat_slots = [], [], []
         for tok, b, ctx, s in zip(last_tokens, block_lens, context_lens, slots):
@@ -88,7 +91,9 @@ class DFlashProposer:
         embeds = self.target.model.embed_tokens(torch.tensor(ids, device=dev))
         hidden = self.drafter(embeds, torch.tensor(positions, device=dev), meta)
         # Rows 1..b-1 of each block predict the draft tokens; pad to a fixed width.
-        width = self.block_size - 1
+        width = (width or self.block_size) - 1
+        if max(block_lens) - 1 > width:
+            raise ValueError(f"blocks {block_lens} do not fit in width {width + 1}")
         rows, valid = [], []
         start = 0
         for b in block_lens:

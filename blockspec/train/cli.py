@@ -119,7 +119,9 @@ def _eval_acceptance(args: argparse.Namespace) -> int:
     from blockspec.llm import LLM
     from blockspec.sampling_params import SamplingParams
 
-    llm = LLM(args.model, draft=args.draft, block_size=args.block_size, device=args.device)
+    # NOTE: a fixed block: acceptance is measured at --block-size, not at policy-chosen lengths.
+    llm = LLM(args.model, draft=args.draft, block_size=args.block_size, device=args.device,
+              speculation_policy="fixed")
     prompts = load_prompts(args.prompts, llm.tokenizer, args.num_prompts)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.max_tokens))
     stats = llm.engine.spec_stats

@@ -1,0 +1,104 @@
+"""Tables, ratios and the plot of benchmarks/policy_sweep.py (kept apart from the runner)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+# (name, policy mode, fixed block length) of every speculative configuration in the sweep.
+CONFIGS = (("fixed 4", "fixed", 4), ("fixed 8", "fixed", 8), ("fixed 16", "fixed", 16),
+           ("adaptive", "adaptive", None))
+
+
+def summarize(res: dict) -> None:
+    """Ratios per C and their minima, and the markdown table."""
+    plain = res.get("plain", {})
+    ratios: dict = {}
+    lines = []
+    for a_key, runs in res.get("spec", {}).items():
+        cs = [c for c in plain if c in runs and "adaptive" in runs[c]]
+        if not cs:
+            continue
+        lines += [f"### synthetic acceptance a={a_key[2:]}", "",
+                  "| Config | " + " | ".join(cs) + " |", "|---|" + "---|" * len(cs)]
+        lines.append("| plain (no drafter) | " + " | ".join(
+            f"{plain[c]['output_tok_s']:.0f}" for c in cs) + " |")
+        for name, _, _ in CONFIGS:
+            lines.append(f"| {name} | " + " | ".join(
+                f"{runs[c][name]['output_tok_s']:.0f}" if name in runs[c] else "-"
+                for c in cs) + " |")
+        rows = {"adaptive / plain": [], "adaptive / best": []}
+        for c in cs:
+            ad = runs[c]["adaptive"]["output_tok_s"]
+            best = max([plain[c]["output_tok_s"]] + [runs[c][n]["output_tok_s"]
+                                                     for n, _, _ in CONFIGS if n in runs[c]])
+            r = {"vs_plain": ad / plain[c]["output_tok_s"], "vs_best": ad / best}
+            if "fixed 16" in runs[c]:
+                r["vs_fixed16"] = ad / runs[c]["fixed 16"]["output_tok_s"]
+            ratios.setdefault(a_key, {})[c] = r
+            rows["adaptive / plain"].append(f"{r['vs_plain']:.3f}x")
+            rows["adaptive / best"].append(f"{r['vs_best']:.3f}x")
+        for name, vals in rows.items():
+            lines.append(f"| {name} | " + " | ".join(vals) + " |")
+        lines.append("| adaptive block lengths | " + " | ".join(
+            " ".join(f"{k}:{v}" for k, v in runs[c]["adaptive"].get("block_len_steps", {})
+                     .items()) for c in cs) + " |")
+        lines.append("")
+    res["ratios"] = ratios
+    spec_plain = res.get("cost_profile", {}).get("times", {}).get("1", {})
+    if spec_plain and res.get("plain_step_times"):
+        res["plain_step_overhead"] = {b: spec_plain[b] / t for b, t in
+                                      res["plain_step_times"].items() if b in spec_plain}
+    allr = [r for per_c in ratios.values() for r in per_c.values()]
+    if allr:
+        res["policy_min_vs_plain"] = min(r["vs_plain"] for r in allr)
+        res["policy_min_vs_best"] = min(r["vs_best"] for r in allr)
+    c1 = ratios.get("a=0.86", {}).get("C=1", {}).get("vs_fixed16")
+    if c1 is not None:
+        res["policy_c1_a086_vs_fixed16"] = c1
+    head = [f"# {res['benchmark']}", "", f"`{res['command']}` on {res['device']}, torch "
+            f"{res['torch']}, {res['date']}", "", "Output tok/s (synthetic acceptance is a "
+            "labelled benchmark-only mode).", ""]
+    for k in ("policy_min_vs_plain", "policy_min_vs_best", "policy_c1_a086_vs_fixed16"):
+        if k in res:
+            head.append(f"- {k}: {res[k]:.3f}")
+    if "plain_step_overhead" in res:
+        head.append("- plain step with drafter context / without drafter, by batch: " + ", ".join(
+            f"B={b} {v:.3f}x" for b, v in res["plain_step_overhead"].items()))
+    prof = res.get("cost_profile", {})
+    if prof.get("times"):
+        head += ["", f"Cost profile ({'measured' if prof.get('measured') else 'loaded'}, "
+                 f"{prof.get('path')}), ms per step:", "",
+                 "| L \\ B | " + " | ".join(next(iter(prof["times"].values()))) + " |",
+                 "|---|" + "---|" * len(next(iter(prof["times"].values())))]
+        for L, row in sorted(prof["times"].items(), key=lambda kv: int(kv[0])):
+            head.append(f"| {L} | " + " | ".join(f"{t * 1e3:.2f}" for t in row.values()) + " |")
+    res["table_md"] = "\n".join(head + [""] + lines)
+
+
+def plot(res: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    spec, plain = res.get("spec", {}), res.get("plain", {})
+    if not spec or not plain:
+        return
+    fig, axes = plt.subplots(1, len(spec), figsize=(6 * len(spec), 4.5), squeeze=False)
+    for ax, (a_key, runs) in zip(axes[0], spec.items()):
+        cs = [c for c in plain if c in runs]
+        xs = [int(c[2:]) for c in cs]
+        ax.plot(xs, [plain[c]["output_tok_s"] for c in cs], "k--o", label="plain (no drafter)")
+        for name, _, _ in CONFIGS:
+            pts = [(x, runs[c][name]["output_tok_s"]) for x, c in zip(xs, cs) if name in runs[c]]
+            if pts:
+                ax.plot(*zip(*pts), "-o", lw=2.5 if name == "adaptive" else 1.2, label=name)
+        ax.set(xscale="log", yscale="log", xlabel="concurrency C", ylabel="output tok/s",
+               title=f"synthetic acceptance {a_key}")
+        ax.set_xticks(xs, [str(x) for x in xs])
+        ax.minorticks_off()
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

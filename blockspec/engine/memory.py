@@ -1,0 +1,76 @@
+"""KV-cache sizing: bytes per block, the activation peak of the largest forward, and how many
+blocks the memory budget holds."""
+
+from __future__ import annotations
+
+import torch
+
+from blockspec.config import ConfigError, EngineConfig, ModelConfig
+from blockspec.layers.attention import AttentionMetadata, PagedAttention
+from blockspec.models.qwen3 import CausalLM
+
+_GiB = 1 << 30
+
+
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    elem = torch.empty((), dtype=dtype).element_size()
+    return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
+
+
+def profile_activation_bytes(model: CausalLM, num_tokens: int, logit_rows: int,
+                             block_size: int, dtype: torch.dtype) -> int:
+    """Peak memory of the largest forward the engine will run (a full prefill chunk, then the
+    logits of the largest decode batch), measured with a throwaway KV cache."""
+    dev = next(model.parameters()).device
+    layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
+    num_blocks = -(-num_tokens // block_size)
+    cache = torch.zeros(2, len(layers), num_blocks, block_size, layers[0].num_kv_heads,
+                        layers[0].head_dim, dtype=dtype, device=dev)
+    for i, layer in enumerate(layers):
+        layer.k_cache, layer.v_cache = cache[0, i], cache[1, i]
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    with torch.inference_mode():
+        meta = AttentionMetadata.build([num_tokens], [num_tokens], [list(range(num_blocks))],
+                                       list(range(num_tokens)), dev)
+        ids = torch.zeros(num_tokens, dtype=torch.int64, device=dev)
+        hidden, _ = model(ids, torch.arange(num_tokens, device=dev), meta)
+        rows = hidden[:1].expand(logit_rows, -1)
+        model.compute_logits(rows).float().softmax(dim=-1)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    for layer in layers:
+        layer.k_cache = layer.v_cache = torch.empty(0)
+    del cache, hidden
+    torch.cuda.empty_cache()
+    return peak
+
+
+def decide_num_blocks(config: EngineConfig, per_block: int, activation_bytes: int = 0) -> int:
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    if config.kv_cache_memory_gb is not None:
+        budget = int(config.kv_cache_memory_gb * _GiB)
+    elif str(config.device).startswith("cuda"):
+        _, total = torch.cuda.mem_get_info()
+        # NOTE: measured after a warm-up forward: weights, peak activations, and 1 GiB for the
+        # CUDA graphs' pool and allocator slack stay outside the KV budget.
+        used = torch.cuda.memory_allocated()
+        budget = int(total * config.gpu_memory_utilization) - used - activation_bytes - _GiB
+    else:
+        budget = _GiB
+    num_blocks = budget // per_block
+    if num_blocks < 1:
+        raise ConfigError(f"KV-cache memory budget ({budget / _GiB:.2f} GiB) is smaller than one "
+                          f"KV block ({per_block / _GiB:.4f} GiB); raise --kv-cache-memory")
+    return num_blocks
+
+
+def graph_output_bytes(block_lens: list[int], buckets: list[int], vocab_size: int,
+                       dtype: torch.dtype) -> int:
+    """Logits that the captured graphs keep alive beyond the largest graph's (which the
+    activation profile counts): outputs of graphs sharing a pool cannot share memory."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    sizes = [b * L * vocab_size * elem for L in block_lens for b in buckets]
+    return sum(sizes) - max(sizes, default=0)

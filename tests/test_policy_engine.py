@@ -1,0 +1,258 @@
+"""The speculation policy inside the engine: lossless greedy output whatever block length each
+step runs, target and drafter KV consistent across block-length changes (plain steps included),
+the choices under forced step costs, fixed mode, and the benchmark hooks."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from helpers import assert_no_leaks, random_prompts
+from spec_models import build_constant_pair
+
+from blockspec import LLM, ConfigError, SamplingParams
+from blockspec.spec.checkpoint import build_random_drafter
+from blockspec.spec.policy import AcceptanceTracker, SpeculationPolicy, StepCostModel
+
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+CYCLE = [1, 4, 16, 8, 1, 1, 16, 4, 8, 8, 1, 16]  # covers every change between 1, 4, 8, 16
+
+
+@pytest.fixture(scope="module")
+def drafter(models_root, qwen3_path):
+    return build_random_drafter(models_root / "policy-drafter16", qwen3_path, num_layers=2,
+                                block_size=16)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return random_prompts([3 + (i * 29) % 70 for i in range(12)], seed=5)
+
+
+@pytest.fixture(scope="module")
+def ar_ref(qwen3_path, prompts):
+    llm = LLM(str(qwen3_path), device="cpu", num_kv_blocks=512)
+    return [o.token_ids for o in llm.generate(prompts, GREEDY)]
+
+
+def spec_llm(qwen3_path, drafter, **kw) -> LLM:
+    args = dict(device="cpu", num_kv_blocks=512, draft=str(drafter), cost_profile="none")
+    return LLM(str(qwen3_path), **{**args, **kw})
+
+
+def force_cycle(llm: LLM, cycle: list[int] = CYCLE) -> None:
+    """Replace the policy's choice with a fixed cycle of block lengths."""
+    it = itertools.cycle(cycle)
+    llm.engine.runner.controller.choose = lambda n: next(it)
+
+
+def flat_costs(ms: dict[int, float], buckets=(1, 64)) -> StepCostModel:
+    """The same step time at every batch size, per block length."""
+    return StepCostModel({L: {b: t / 1e3 for b in buckets} for L, t in ms.items()})
+
+
+def test_defaults_and_config(qwen3_path, drafter):
+    llm = spec_llm(qwen3_path, drafter)
+    r = llm.engine.runner
+    assert llm.engine.config.speculation_policy == "adaptive"
+    assert r.spec_lens == [4, 8, 16] and sorted(r.steps) == [1, 4, 8, 16]
+    assert llm.engine.spec_block_size == 16 and llm.engine.lookahead_slots() == 15
+    assert r.cost_profile_info["measured"] and set(r.cost_profile_info["times"]) == \
+        {"1", "4", "8", "16"}
+    small = spec_llm(qwen3_path, drafter, block_size=8)
+    assert small.engine.runner.spec_lens == [4, 8]
+    mine = spec_llm(qwen3_path, drafter, block_sizes=(2, 6))
+    assert mine.engine.runner.spec_lens == [2, 6] and mine.engine.spec_block_size == 6
+    for kw, msg in [(dict(block_sizes=(4, 32)), "block sizes 32 must be in"),
+                    (dict(block_size=8, block_sizes=(4, 16)), "exceed block_size 8"),
+                    (dict(block_sizes=(1, 4)), ">= 2"),
+                    (dict(block_sizes=()), "empty"),
+                    (dict(speculation_policy="greedy"), "adaptive or fixed")]:
+        with pytest.raises(ConfigError, match=msg):
+            spec_llm(qwen3_path, drafter, **kw)
+    with pytest.raises(ConfigError, match="need a draft model"):
+        LLM(str(qwen3_path), device="cpu", block_sizes=(4, 8))
+
+
+@pytest.mark.parametrize("kv", [dict(num_kv_blocks=512),
+                                dict(num_kv_blocks=12, max_num_batched_tokens=64)])
+def test_greedy_identical_whatever_block_lengths(qwen3_path, drafter, prompts, ar_ref, kv):
+    """Every step change among 1, 4, 8, 16, with mixed prefill/decode steps, chunked prefill and
+    (small cache) recompute preemption: the output is the target's."""
+    llm = spec_llm(qwen3_path, drafter, **kv)
+    force_cycle(llm)
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == ar_ref
+    assert set(llm.engine.spec_stats.block_len_steps) == {1, 4, 8, 16}
+    if kv["num_kv_blocks"] == 12:
+        assert llm.engine.scheduler.num_preemptions > 0
+    assert_no_leaks(llm)
+    # The real adaptive policy (measured costs, live acceptance) is lossless too.
+    llm = spec_llm(qwen3_path, drafter, **kv)
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == ar_ref
+    assert_no_leaks(llm)
+
+
+def _cache_rows(llm: LLM, seq, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Target and drafter K/V of positions [0, n) of a running sequence."""
+    slots = torch.tensor([llm.engine.block_manager.slot(seq, p) for p in range(n)])
+
+    def rows(cache: torch.Tensor) -> torch.Tensor:  # [2, layers, blocks, block size, h, d]
+        return cache.flatten(2, 3)[:, :, slots]
+
+    return rows(llm.engine.runner.kv_cache), rows(llm.engine.runner.proposer.kv_cache)
+
+
+def test_kv_and_drafter_context_consistent_across_block_lengths(qwen3_path, drafter):
+    """Synthetic acceptance commits several tokens per step; after steps of 1, 4, 8, 16 in turn,
+    the target's and the drafter's caches hold exactly what one prefill of the same tokens
+    writes. (A plain step that skipped the drafter context would fail this.)"""
+    prompt = random_prompts([21], seed=9)[0]
+    a = spec_llm(qwen3_path, drafter, synthetic_acceptance=0.7, benchmark_mode=True,
+                 enable_prefix_caching=False)
+    force_cycle(a)
+    rid = a.engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=200,
+                                                      ignore_eos=True))
+    seq = a.engine.requests[rid].seq
+    while len(seq.output_token_ids) < 60:
+        a.engine.step()
+    assert set(a.engine.spec_stats.block_len_steps) == {1, 4, 8, 16}
+    assert a.engine.spec_stats.num_accepted_tokens > 10
+    n = seq.num_computed_tokens
+    tokens = seq.token_ids()[:n]
+    b = spec_llm(qwen3_path, drafter, speculation_policy="fixed", enable_prefix_caching=False)
+    rid_b = b.engine.add_request(tokens, SamplingParams(temperature=0, max_tokens=4))
+    b.engine.step()  # one prefill of all n tokens
+    seq_b = b.engine.requests[rid_b].seq
+    assert seq_b.num_computed_tokens == n
+    (ta, da), (tb, db) = _cache_rows(a, seq, n), _cache_rows(b, seq_b, n)
+    torch.testing.assert_close(ta, tb, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(da, db, atol=1e-4, rtol=1e-4)
+    a.engine.abort(rid)
+    b.engine.abort(rid_b)
+    assert_no_leaks(a)
+    assert_no_leaks(b)
+
+
+def test_plain_when_verify_expensive_and_acceptance_low(qwen3_path, drafter, prompts, ar_ref):
+    llm = spec_llm(qwen3_path, drafter)
+    llm.engine.runner.set_cost_model(flat_costs({1: 1.0, 4: 10.0, 8: 20.0, 16: 40.0}))
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == ar_ref
+    assert set(llm.engine.spec_stats.block_len_steps) == {1}
+    assert llm.engine.spec_stats.num_steps == 0
+    assert_no_leaks(llm)
+
+
+def test_max_block_when_verify_cheap_and_acceptance_high(models_root):
+    target, drafter = build_constant_pair(models_root, {5: 0.9, 6: 0.1}, block_size=16,
+                                          name="const16")
+    llm = LLM(str(target), device="cpu", num_kv_blocks=256, draft=str(drafter),
+              cost_profile="none")
+    llm.engine.runner.set_cost_model(flat_costs({1: 1.0, 4: 1.05, 8: 1.1, 16: 1.2}))
+    outs = llm.generate([[1, 2, 3]] * 4, SamplingParams(temperature=0, max_tokens=65,
+                                                         ignore_eos=True))
+    assert all(o.token_ids == [5] * 65 for o in outs)
+    assert dict(llm.engine.spec_stats.block_len_steps) == {16: 4}
+    ctl = llm.engine.runner.controller
+    assert ctl.explain(4)["choice"] == 16 and ctl.tracker.conditional_rates()[0] > 0.9
+    # Same pair, costs where a middle block wins: 8 costs little more than 4, 16 twice as much.
+    llm.engine.runner.set_cost_model(flat_costs({1: 1.0, 4: 1.0, 8: 1.1, 16: 3.0}))
+    assert ctl.explain(4)["choice"] == 8
+    assert_no_leaks(llm)
+
+
+def test_probe_after_plain_streak(qwen3_path, drafter):
+    """Plain decode wins, so the engine probes the smallest block after 32 plain steps."""
+    llm = spec_llm(qwen3_path, drafter)
+    llm.engine.runner.set_cost_model(flat_costs({1: 1.0, 4: 1.2, 8: 5.0, 16: 9.0}))
+    ctl = llm.engine.runner.controller
+    for _ in range(20):  # evidence: the first draft is never accepted
+        ctl.tracker.observe_many([3] * 4, [0] * 4)
+    llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=80, ignore_eos=True))
+    steps = llm.engine.spec_stats.block_len_steps
+    assert set(steps) == {1, 4} and 1 <= steps[4] <= 3 and steps[1] >= 70
+
+
+def test_fixed_mode_unchanged_and_runtime_switches(qwen3_path, drafter, prompts, ar_ref):
+    llm = spec_llm(qwen3_path, drafter, speculation_policy="fixed")
+    r = llm.engine.runner
+    assert r.cost_profile_info is None and r.controller.mode == "fixed"
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == ar_ref
+    stats = llm.engine.spec_stats
+    assert set(stats.block_len_steps) == {16}
+    assert len(stats.drafted_per_position) == 15 and stats.num_draft_tokens == 15 * \
+        stats.num_steps
+    assert all(set(o.metrics.spec.block_len_steps) == {16} for o in outs)
+    with pytest.raises(ConfigError, match="cost profile"):
+        r.set_policy("adaptive")
+    with pytest.raises(ConfigError, match="block length 3"):
+        r.set_policy("fixed", 3)
+    r.set_policy("fixed", 1)  # plain decode with a drafter: still the target's output
+    spec_steps = stats.num_steps
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == ar_ref
+    assert stats.block_len_steps[1] >= 23 and stats.num_steps == spec_steps
+    assert_no_leaks(llm)
+
+
+def test_synthetic_acceptance_switch_needs_no_rebuild(qwen3_path, drafter, prompts):
+    llm = spec_llm(qwen3_path, drafter, synthetic_acceptance=0.5, benchmark_mode=True)
+    r = llm.engine.runner
+    params = SamplingParams(temperature=0, max_tokens=33, ignore_eos=True)
+    for a, L, tau in ((1.0, 8, 8.0), (0.0, 4, 1.0), (1.0, 16, 16.0)):
+        r.set_synthetic_acceptance(a)
+        r.set_policy("fixed", L)
+        outs = llm.generate(prompts[:4], params)
+        assert all(o.metrics.spec.mean_acceptance_length == tau for o in outs)
+    with pytest.raises(ConfigError, match="probability"):
+        r.set_synthetic_acceptance(1.5)
+    with pytest.raises(ConfigError, match="not built with synthetic"):
+        spec_llm(qwen3_path, drafter, speculation_policy="fixed").engine.runner \
+            .set_synthetic_acceptance(0.5)
+    assert_no_leaks(llm)
+
+
+def test_observe_many_is_one_step_of_observations():
+    one, many = AcceptanceTracker(half_life=1e12), AcceptanceTracker(half_life=1e12)
+    obs = [(15, 3), (15, 0), (7, 7), (3, 1), (0, 0), (15, 15)]
+    for d, a in obs:
+        one.observe(d, a)
+    many.observe_many([d for d, _ in obs], [a for _, a in obs])
+    assert many.reached == pytest.approx(one.reached)
+    assert many.accepted == pytest.approx(one.accepted)
+    t = AcceptanceTracker(half_life=1.0)
+    t.observe_many([2, 2], [2, 2])
+    t.observe_many([2], [0])  # decays the previous step once (x 0.5), not once per sequence
+    assert t.reached == pytest.approx([2 * 0.5 + 1, 2 * 0.5])
+    with pytest.raises(ValueError):
+        t.observe_many([2], [3])
+    # The evidence cap keeps ratios and lets a small batch move a big batch's estimate quickly.
+    capped = AcceptanceTracker(half_life=64, max_weight=100)
+    for _ in range(50):
+        capped.observe_many([1] * 256, [1] * 256)
+    assert capped.reached == pytest.approx([100.0]) and capped.accepted == pytest.approx([100.0])
+    for _ in range(100):
+        capped.observe_many([1], [0])
+    assert capped.conditional_rates()[0] < 0.5
+
+
+def test_probe_overhead_bounds_probe_cost():
+    cm = StepCostModel({1: {1: 1.0, 256: 10.0}, 4: {1: 1.2, 256: 33.0}})
+    t = AcceptanceTracker(prior_mean=0.1)  # tau(4) = 1.11: plain wins at both batch sizes
+    small = SpeculationPolicy(cm, (4,), probe_every=4, probe_overhead=0.1)
+    assert [small.choose(1, t) for _ in range(6)] == [1, 1, 1, 1, 4, 1]  # 0.2 <= 0.1 * 5
+    big = SpeculationPolicy(cm, (4,), probe_every=4, probe_overhead=0.1)
+    picks = [big.choose(256, t) for _ in range(30)]
+    assert picks.index(4) == 22  # extra 23 <= 0.1 * 10 * 23 plain steps
+
+
+def test_controller_prices_steps_at_their_graph_bucket():
+    """5 sequences replay the graph of bucket 8: priced there, speculation loses; interpolated
+    between buckets 4 and 8 it would seem to win."""
+    from blockspec.engine.speculation import SpecController
+
+    cm = StepCostModel({1: {4: 1.0, 8: 2.0}, 4: {4: 1.1, 8: 6.0}})
+    graphed = SpecController([4], "adaptive", cm, batch_bucket=lambda n: 8 if n > 4 else 4)
+    eager = SpecController([4], "adaptive", cm)
+    assert graphed.choose(5) == 1 and eager.choose(5) == 4
+    assert graphed.choose(4) == eager.choose(4) == 4

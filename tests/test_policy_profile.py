@@ -1,0 +1,202 @@
+"""The speculation policy's start-up cost profile (measured, cached, reloaded, re-measured), its
+metrics (engine stats, request outputs, /metrics, `generate --verbose`), the CLI flags, and the
+policy benchmark's CPU smoke run."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+from helpers import assert_no_leaks
+
+from blockspec import LLM, SamplingParams
+from blockspec.cli import build_parser, engine_kwargs, main
+from blockspec.engine import cost_profile
+from blockspec.server.api import build_app
+from blockspec.spec.checkpoint import build_random_drafter
+
+GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def drafter(models_root, qwen3_path):
+    return build_random_drafter(models_root / "profile-drafter16", qwen3_path, num_layers=2,
+                                block_size=16)
+
+
+def spec_llm(qwen3_path, drafter, **kw) -> LLM:
+    return LLM(str(qwen3_path), **{**dict(device="cpu", num_kv_blocks=256, draft=str(drafter)),
+                                   **kw})
+
+
+def test_profile_written_loaded_and_remeasured(qwen3_path, drafter, tmp_path, monkeypatch,
+                                               capfd):
+    path = tmp_path / "profiles" / "cost.json"
+    first = spec_llm(qwen3_path, drafter, cost_profile=str(path))
+    info = first.engine.runner.cost_profile_info
+    assert info["measured"] and info["path"] == str(path) and path.is_file()
+    saved = json.loads(path.read_text())
+    assert saved["key"] == info["key"] and set(saved["times"]) == {"1", "4", "8", "16"}
+    assert saved["key"]["device"].startswith("cpu") and saved["key"]["graphs"] is False
+    assert "measured in" in capfd.readouterr().err
+
+    def no_measuring(*args, **kwargs):
+        raise AssertionError("the profile should have been loaded, not measured")
+
+    # Same key: loaded. Forced costs written into the file are what the policy then uses.
+    saved["times"] = {"1": {"1": 0.001, "16": 0.002}, "4": {"1": 0.01, "16": 0.02},
+                      "8": {"1": 0.02, "16": 0.04}, "16": {"1": 0.04, "16": 0.08}}
+    path.write_text(json.dumps(saved))
+    with monkeypatch.context() as m:
+        m.setattr(cost_profile, "measure_costs", no_measuring)
+        second = spec_llm(qwen3_path, drafter, cost_profile=str(path))
+    assert not second.engine.runner.cost_profile_info["measured"]
+    assert "loaded from" in capfd.readouterr().err
+    assert second.engine.runner.controller.cost_model.cost(1, 16) == pytest.approx(0.04)
+    second.generate([[1, 2, 3], [4, 5]], GREEDY)
+    assert set(second.engine.spec_stats.block_len_steps) == {1}
+    assert_no_leaks(second)
+
+    # Another key (block lengths, KV block size): re-measured and the file rewritten.
+    for kw in (dict(block_sizes=(4, 16)), dict(kv_block_size=8)):
+        third = spec_llm(qwen3_path, drafter, cost_profile=str(path), **kw)
+        assert third.engine.runner.cost_profile_info["measured"]
+        assert json.loads(path.read_text())["key"] == third.engine.runner.cost_profile_info["key"]
+    # A broken file is re-measured (with a warning), never fatal.
+    path.write_text("{not json")
+    spec_llm(qwen3_path, drafter, cost_profile=str(path))
+    assert "ignoring unreadable cost profile" in capfd.readouterr().err
+    assert json.loads(path.read_text())["version"] == 1
+
+
+def test_profile_cache_location(qwen3_path, drafter, tmp_path, monkeypatch):
+    monkeypatch.setenv("BLOCKSPEC_CACHE", str(tmp_path / "cache"))
+    for value in (None, "none", ""):  # CPU default and explicit "no file": nothing written
+        llm = spec_llm(qwen3_path, drafter, cost_profile=value)
+        assert llm.engine.runner.cost_profile_info["path"] is None
+    assert not (tmp_path / "cache").exists()
+    key = llm.engine.runner.cost_profile_info["key"]
+    default = cost_profile.default_profile_path(key)
+    assert default.parent == tmp_path / "cache" / "cost_profiles"
+    assert default == cost_profile.default_profile_path(json.loads(json.dumps(key)))
+    # Shapes, not paths or weights, identify a model: a copy elsewhere shares the profile.
+    assert key["model"].startswith("qwen3@") and key["draft"].startswith("profile-drafter16@")
+
+
+def _count_steps(llm: LLM) -> tuple[dict, dict]:
+    """Wrap the runner: engine steps and per-request steps by block length, as run."""
+    engine_steps: dict[int, int] = {}
+    per_req: dict[str, dict[int, int]] = {}
+    execute = llm.engine.runner.execute
+
+    def counting(seqs, num_new):
+        res = execute(seqs, num_new)
+        if res.block_len:
+            engine_steps[res.block_len] = engine_steps.get(res.block_len, 0) + 1
+        for seq, blen in zip(res.sampled_seqs, res.block_lens):
+            if blen:
+                d = per_req.setdefault(seq.request_id, {})
+                d[blen] = d.get(blen, 0) + 1
+        return res
+
+    llm.engine.runner.execute = counting
+    return engine_steps, per_req
+
+
+def scraped(tc: TestClient) -> dict[int, float]:
+    text = tc.get("/metrics").text
+    return {int(k): float(v) for k, v in re.findall(
+        r'^blockspec_spec_decode_block_len_steps_total\{block_len="(\d+)"\} (\S+)$', text, re.M)}
+
+
+def test_metrics_show_block_lengths(qwen3_path, drafter, capsys):
+    llm = spec_llm(qwen3_path, drafter, cost_profile="none")
+    cycle = itertools.cycle([4, 1, 16, 8, 1])
+    llm.engine.runner.controller.choose = lambda n: next(cycle)
+    engine_steps, per_req = _count_steps(llm)
+    outs = llm.generate([[1, 2, 3], [9, 8, 7, 6], [5] * 20], GREEDY)
+    stats = llm.engine.spec_stats
+    assert dict(stats.block_len_steps) == engine_steps and set(engine_steps) == {1, 4, 8, 16}
+    for out in outs:
+        spec = out.metrics.spec
+        assert dict(spec.block_len_steps) == per_req[out.request_id]
+        assert spec.num_steps == sum(v for k, v in spec.block_len_steps.items() if k > 1)
+    assert stats.block_len_summary().startswith("{1:")
+
+    with TestClient(build_app(llm.engine, "tiny")) as tc:
+        r = tc.post("/v1/completions", json={"model": "tiny", "prompt": "def f(x):",
+                                             "max_tokens": 12, "temperature": 0,
+                                             "ignore_eos": True})
+        assert r.status_code == 200
+        want = {k: float(v) for k, v in stats.block_len_steps.items()}
+        deadline = time.monotonic() + 15  # NOTE: stats are published after the step's outputs
+        while (got := scraped(tc)) != want and time.monotonic() < deadline:
+            time.sleep(0.02)
+    # The wrapper saw the server's steps too: every engine step is in the counter.
+    assert got == want == {k: float(v) for k, v in engine_steps.items()}
+    assert_no_leaks(llm)
+
+    rc = main(["generate", "--model", str(qwen3_path), "--draft", str(drafter), "--device",
+               "cpu", "--num-kv-blocks", "64", "--prompt", "def f(x):", "--max-tokens", "8",
+               "--block-sizes", "4,8", "--speculation-policy", "adaptive", "--cost-profile",
+               "none", "--verbose"])
+    err = capsys.readouterr().err
+    assert rc == 0 and "speculation policy adaptive: decode steps by block length" in err
+
+
+def test_cli_flags(qwen3_path, capsys):
+    parser = build_parser()
+    args = parser.parse_args(["generate", "--prompt", "x", "--draft", "d", "--block-sizes",
+                              "16,4,8", "--speculation-policy", "fixed", "--cost-profile", "p"])
+    kw = engine_kwargs(args)
+    assert (kw["block_sizes"], kw["speculation_policy"], kw["cost_profile"]) == \
+        ((16, 4, 8), "fixed", "p")
+    defaults = engine_kwargs(parser.parse_args(["generate", "--prompt", "x"]))
+    assert (defaults["block_sizes"], defaults["speculation_policy"]) == (None, "adaptive")
+    for bad, msg in (("4,x", "comma-separated integers"), ("1,4", ">= 2"), ("", "integers"),
+                     ("4;8", "integers")):
+        with pytest.raises(SystemExit) as e:
+            parser.parse_args(["generate", "--prompt", "x", "--block-sizes", bad])
+        assert e.value.code == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert "--block-sizes" in err[-1] and msg in err[-1]
+    with pytest.raises(SystemExit):
+        parser.parse_args(["generate", "--prompt", "x", "--speculation-policy", "greedy"])
+    capsys.readouterr()
+    # Block sizes without a drafter: the usual one-line user error.
+    assert main(["generate", "--model", str(qwen3_path), "--device", "cpu", "--prompt", "x",
+                 "--block-sizes", "4,8"]) == 2
+    assert "need a draft model" in capsys.readouterr().err
+
+
+def test_policy_sweep_smoke(tmp_path):
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "policy_sweep.py"),
+                           "--smoke", "--out-dir", str(tmp_path)], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads((tmp_path / "policy_sweep.json").read_text())
+    assert set(res["plain"]) == {"C=1", "C=4"}
+    for a in ("a=0.86", "a=0.6"):
+        for c in ("C=1", "C=4"):
+            runs = res["spec"][a][c]
+            assert set(runs) == {"fixed 4", "fixed 8", "fixed 16", "adaptive"}
+            assert set(runs["fixed 8"]["block_len_steps"]) == {"8"}
+            assert sum(runs["adaptive"]["block_len_steps"].values()) > 0
+            assert res["ratios"][a][c]["vs_best"] <= 1.0
+    assert res["spec"]["a=0.86"]["C=1"]["fixed 16"]["tau"] > \
+        res["spec"]["a=0.6"]["C=1"]["fixed 16"]["tau"]  # the acceptance switch took effect
+    assert {"policy_min_vs_plain", "policy_min_vs_best", "policy_c1_a086_vs_fixed16"} <= set(res)
+    assert res["cost_profile"]["measured"] and set(res["cost_profile"]["times"]) == \
+        {"1", "4", "8", "16"}
+    assert (tmp_path / "policy_sweep.png").stat().st_size > 0
+    assert "adaptive / best" in (tmp_path / "policy_sweep.md").read_text()
