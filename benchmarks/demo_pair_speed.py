@@ -9,17 +9,16 @@ Usage: python benchmarks/demo_pair_speed.py --out-dir DIR [--concurrency 1,32]
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime
 import json
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 
 import torch
 
 from blockspec import LLM, SamplingParams
-from blockspec.config import EngineConfig
 from blockspec.demo import demo_drafter, demo_target
 from blockspec.train.cli import load_prompts
 
@@ -27,18 +26,19 @@ ROOT = Path(__file__).resolve().parents[1]
 OUTPUT_LEN = 256
 
 
-def make_llm(target: str, drafter: str | None) -> LLM:
-    kw: dict = dict(device="cuda", max_num_seqs=64, enable_prefix_caching=False)
+def make_llm(target: str, drafter: str | None, policy: str = "fixed", device: str = "cuda"
+             ) -> LLM:
+    kw: dict = dict(device=device, max_num_seqs=64, enable_prefix_caching=False)
     if drafter:
-        kw.update(draft=drafter, block_size=16)
-        if "speculation_policy" in {f.name for f in dataclasses.fields(EngineConfig)}:
-            kw["speculation_policy"] = "fixed"  # the issue asks for block 16 as such
+        # "fixed": block 16 as the issue asks; "adaptive": what a user gets by default.
+        kw.update(draft=drafter, block_size=16, speculation_policy=policy)
     return LLM(target, **kw)
 
 
 def run(llm: LLM, prompts: list[str], out_len: int = OUTPUT_LEN) -> tuple[dict, list[list[int]]]:
     params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     dt = time.perf_counter() - t0
@@ -47,7 +47,8 @@ def run(llm: LLM, prompts: list[str], out_len: int = OUTPUT_LEN) -> tuple[dict, 
     return ({"output_tok_s": n / dt, "elapsed_s": dt, "output_tokens": n,
              "mean_tpot_ms": 1e3 * sum(o.metrics.tpot for o in outs) / len(outs),
              "mean_ttft_ms": 1e3 * sum(o.metrics.ttft for o in outs) / len(outs),
-             "tau": sum(s.mean_acceptance_length for s in spec) / len(spec) if spec else None},
+             "tau": sum(s.mean_acceptance_length for s in spec) / len(spec) if spec else None,
+             "block_len_steps": dict(sum((Counter(s.block_len_steps) for s in spec), Counter()))},
             [list(o.token_ids) for o in outs])
 
 
@@ -57,6 +58,8 @@ def main() -> int:
     ap.add_argument("--concurrency", default="1,32")
     ap.add_argument("--target", default=None, help="default: the shipped demo target")
     ap.add_argument("--draft", default=None, help="default: the shipped demo drafter")
+    ap.add_argument("--device", default="cuda", help="cpu: a functional check only")
+    ap.add_argument("--output-len", type=int, default=OUTPUT_LEN)
     a = ap.parse_args()
     target = a.target or (str(demo_target()) if demo_target() else None)
     drafter = a.draft or (str(demo_drafter()) if demo_drafter() else None)
@@ -69,33 +72,44 @@ def main() -> int:
     res: dict = {
         "benchmark": "demo pair speed (issue 6): DFlash block 16, real acceptance, greedy",
         "command": "python benchmarks/demo_pair_speed.py " + " ".join(sys.argv[1:]),
-        "device": torch.cuda.get_device_name(), "torch": torch.__version__,
+        "device": torch.cuda.get_device_name() if a.device == "cuda" else a.device,
+        "torch": torch.__version__,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "prompts": "benchmarks/prompts/code.jsonl (cycled to C)", "output_len": OUTPUT_LEN,
+        "prompts": "benchmarks/prompts/code.jsonl (cycled to C)", "output_len": a.output_len,
         "target": target, "drafter": drafter, "ar": {}, "dflash": {},
     }
     tokens: dict = {}
-    for name, draft in (("ar", None), ("dflash", drafter)):
-        llm = make_llm(target, draft)
+    configs = (("ar", None, "fixed"), ("dflash", drafter, "fixed"),
+               ("dflash_adaptive", drafter, "adaptive"))
+    res["dflash_adaptive"] = {}
+    for name, draft, policy in configs:
+        llm = make_llm(target, draft, policy, a.device)
         base = load_prompts(str(ROOT / "benchmarks" / "prompts" / "code.jsonl"), llm.tokenizer,
                             None)
         run(llm, base[:2], 16)  # warm-up
         for c in levels:
             ps = [base[i % len(base)] for i in range(c)]
             run(llm, ps, 16)  # warm-up at this batch size
-            r, toks = run(llm, ps)
+            r, toks = run(llm, ps, a.output_len)
             res[name][f"C={c}"] = r
             tokens[(name, c)] = toks
             print(f"{name} C={c}: {r['output_tok_s']:.0f} tok/s, TPOT {r['mean_tpot_ms']:.2f} ms"
                   + (f", tau {r['tau']:.2f}" if r["tau"] else ""), flush=True)
         del llm
-        torch.cuda.empty_cache()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     for c in levels:
-        sp, ar = res["dflash"][f"C={c}"], res["ar"][f"C={c}"]
-        sp["speedup_vs_ar"] = sp["output_tok_s"] / ar["output_tok_s"]
-        sp["tokens_equal_ar"] = tokens[("dflash", c)] == tokens[("ar", c)]
-        print(f"C={c}: speculative/AR = {sp['speedup_vs_ar']:.2f}x, tokens identical: "
-              f"{sp['tokens_equal_ar']}", flush=True)
+        ar = res["ar"][f"C={c}"]
+        for name in ("dflash", "dflash_adaptive"):
+            sp = res[name][f"C={c}"]
+            sp["speedup_vs_ar"] = sp["output_tok_s"] / ar["output_tok_s"]
+            # NOTE: bf16 on GPU: verify (L tokens per sequence) and decode (1) run GEMMs of other
+            # shapes, so near-tied argmaxes can flip; exact equality is proven in fp32 (tests).
+            sp["tokens_equal_ar"] = tokens[(name, c)] == tokens[("ar", c)]
+            sp["sequences_equal_ar"] = sum(x == y for x, y in zip(tokens[(name, c)],
+                                                                  tokens[("ar", c)]))
+            print(f"C={c} {name}: speculative/AR = {sp['speedup_vs_ar']:.2f}x, identical "
+                  f"sequences {sp['sequences_equal_ar']}/{c}", flush=True)
     (out / "demo_pair_speed.json").write_text(json.dumps(res, indent=1) + "\n")
     return 0
 

@@ -1,4 +1,5 @@
-"""`blockspec` command line: generate, serve, bench, train-drafter, eval-acceptance."""
+"""`blockspec` command line: generate, serve, bench, train-drafter, eval-acceptance,
+generate-data."""
 
 from __future__ import annotations
 
@@ -39,10 +40,34 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="auto: triton on CUDA, torch on CPU")
     d = p.add_argument_group("speculative decoding")
     d.add_argument("--draft", default=None,
-                   help="DFlash drafter folder (published checkpoint format): enables DFlash")
+                   help="DFlash drafter folder (published checkpoint format): enables DFlash; "
+                        "`none`: no drafter (also for the default demo pair)")
     d.add_argument("--block-size", type=int, default=None,
-                   help="tokens verified per step (default: the drafter's block_size; smaller "
-                        "is allowed)")
+                   help="the max block: tokens verified per step under the fixed policy "
+                        "(default: the drafter's block_size; smaller is allowed)")
+    d.add_argument("--speculation-policy", choices=["adaptive", "fixed"], default="adaptive",
+                   help="adaptive: each step runs plain decode or one of --block-sizes, "
+                        "whichever the measured step costs and live acceptance say commits the "
+                        "most tokens per second; fixed: always the max block")
+    d.add_argument("--block-sizes", type=block_sizes_arg, default=None, metavar="4,8,16",
+                   help="block lengths the adaptive policy may run (each gets CUDA graphs; "
+                        "default: 4, 8, 16 up to the max block, plus the max block)")
+    d.add_argument("--cost-profile", default=None, metavar="PATH",
+                   help="step-cost profile file, measured at start-up and reused while the "
+                        "model, device, dtype and block lengths match (default: a file under "
+                        "~/.cache/blockspec on CUDA; 'none': measure every start)")
+
+
+def block_sizes_arg(text: str) -> tuple[int, ...]:
+    """`4,8,16` -> (4, 8, 16); anything else is a one-line argparse error."""
+    try:
+        sizes = tuple(int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated integers like 4,8,16, got {text!r}") from None
+    if any(s < 2 for s in sizes):
+        raise argparse.ArgumentTypeError(f"block sizes must be >= 2, got {text!r}")
+    return sizes
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -53,20 +78,38 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
         draft=args.draft, block_size=args.block_size,
+        speculation_policy=args.speculation_policy, block_sizes=args.block_sizes,
+        cost_profile=args.cost_profile,
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
         attention_backend=args.attention_backend,
     )
 
 
 def resolve_model(args: argparse.Namespace) -> str:
+    """The model folder to run. Without --model: the embedded demo pair (target + its DFlash
+    drafter, unless --draft is given or is `none`); in a checkout without the pair, a tiny
+    random Qwen3. NOTE: may set args.draft, so call it before engine_kwargs(args)."""
+    no_draft = getattr(args, "draft", None) in ("none", "")
+    if no_draft:
+        args.draft = None
     if args.model is not None:
         return args.model
-    from blockspec.tiny import default_demo_model
+    from blockspec.demo import demo_drafter, demo_target
 
-    path = default_demo_model()
-    print(f"[blockspec] no --model given: using the tiny random demo model at {path} "
-          "(random weights: expect gibberish)", file=sys.stderr)
-    return str(path)
+    target, drafter = demo_target(), demo_drafter()
+    if target is None:
+        from blockspec.tiny import default_demo_model
+
+        path = default_demo_model()
+        print(f"[blockspec] no --model given and no demo pair in this install: using a tiny "
+              f"random model at {path} (random weights: expect gibberish)", file=sys.stderr)
+        return str(path)
+    if hasattr(args, "draft") and args.draft is None and not no_draft and drafter is not None:
+        args.draft = str(drafter)
+    with_draft = " + its DFlash drafter" if getattr(args, "draft", None) else ""
+    print(f"[blockspec] no --model given: using the demo pair (15.7M-parameter Python-code "
+          f"Qwen3{with_draft}) at {target.parent}", file=sys.stderr)
+    return str(target)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -107,6 +150,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
             hist = " ".join(f"{k}:{v}" for k, v in sorted(spec.acceptance_length_hist.items()))
             print(f"[blockspec] DFlash block {engine.spec_block_size}: {spec.summary()}; "
                   f"acceptance-length histogram {{{hist}}}", file=sys.stderr)
+            print(f"[blockspec] speculation policy {engine.config.speculation_policy}: decode "
+                  f"steps by block length (1 = plain) {spec.block_len_summary()}",
+                  file=sys.stderr)
     return 0
 
 

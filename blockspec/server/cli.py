@@ -47,12 +47,12 @@ def cmd_serve(args: argparse.Namespace, engine_kwargs: Callable[[argparse.Namesp
 
     if not 0 <= args.port < 65536:
         raise ConfigError(f"--port must be in [0, 65535], got {args.port}")
+    model = resolve_model(args)  # NOTE: first: it may pick the demo pair's drafter
     kwargs = engine_kwargs(args)
     # NOTE: synthetic acceptance changes the output; it is benchmark-only and never served.
     if kwargs.pop("synthetic_acceptance", None) is not None:
         raise ConfigError("synthetic acceptance is benchmark-only and cannot be served")
     kwargs.pop("benchmark_mode", None)
-    model = resolve_model(args)
     engine = LLMEngine(EngineConfig(model=model, **kwargs))
     name = args.served_model_name or Path(model.rstrip("/")).name or model
     app = build_app(engine, name, api_key=args.api_key)
