@@ -44,6 +44,18 @@ MASK_TOKEN = 151669
 INPUT_LEN, OUTPUT_LEN = 512, 256
 
 
+def git_commit() -> str:
+    """HEAD, marked when the working tree differs from it (then HEAD alone does not say what ran;
+    the device tool's copy of the tree may also carry a stale .git)."""
+    try:
+        run = dict(text=True, stderr=subprocess.DEVNULL)
+        head = subprocess.check_output(["git", "rev-parse", "HEAD"], **run).strip()
+        dirty = subprocess.check_output(["git", "status", "--porcelain", "-uno"], **run).strip()
+    except Exception:
+        return "unknown"
+    return head + (" + uncommitted changes" if dirty else "")
+
+
 def write_folders(root: Path) -> tuple[Path, Path]:
     target, drafter = root / "qwen3-8b-shape", root / "dflash-b16-shape"
     for d in (target, drafter):
@@ -160,11 +172,7 @@ def main() -> int:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "input_len": INPUT_LEN, "output_len": OUTPUT_LEN, "synthetic_acceptance": args.acceptance,
     }
-    try:
-        res["commit"] = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
-                                                stderr=subprocess.DEVNULL).strip()
-    except Exception:
-        res["commit"] = "unknown"
+    res["commit"] = git_commit()
 
     def save() -> None:
         (out / "fast_path.json").write_text(json.dumps(res, indent=2) + "\n")

@@ -24,7 +24,6 @@ import argparse
 import datetime
 import gc
 import json
-import subprocess
 import sys
 import tempfile
 import time
@@ -34,7 +33,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from fast_path import make_llm, write_folders  # noqa: E402
+from fast_path import git_commit, make_llm, write_folders  # noqa: E402
 from policy_report import CONFIGS, plot, summarize  # noqa: E402
 
 from blockspec import LLM, SamplingParams  # noqa: E402
@@ -148,11 +147,7 @@ def main() -> int:
         "input_len": setup.input_len, "output_len": out_len, "concurrency": cs,
         "acceptance": accs, "warmup_tokens": WARMUP_TOKENS, "prefix_caching": False,
     }
-    try:
-        res["commit"] = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
-                                                stderr=subprocess.DEVNULL).strip()
-    except Exception:
-        res["commit"] = "unknown"
+    res["commit"] = git_commit()
 
     def save() -> None:
         summarize(res)
