@@ -148,7 +148,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if engine.runner.proposer is not None:
             spec = m.spec
             hist = " ".join(f"{k}:{v}" for k, v in sorted(spec.acceptance_length_hist.items()))
-            print(f"[blockspec] DFlash block {engine.spec_block_size}: {spec.summary()}; "
+            print(f"[blockspec] DFlash (max block {engine.spec_block_size}): {spec.summary()}; "
                   f"acceptance-length histogram {{{hist}}}", file=sys.stderr)
             print(f"[blockspec] speculation policy {engine.config.speculation_policy}: decode "
                   f"steps by block length (1 = plain) {spec.block_len_summary()}",

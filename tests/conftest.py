@@ -12,7 +12,13 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import shutil  # noqa: E402
+import tempfile  # noqa: E402
 from pathlib import Path
+
+# NOTE: engines cache their step-cost profiles under $BLOCKSPEC_CACHE: never the user's
+# ~/.cache from tests; each test gets its own folder (`_isolated_cache`), session- and
+# module-scoped fixtures share this one.
+os.environ["BLOCKSPEC_CACHE"] = tempfile.mkdtemp(prefix="blockspec-test-cache-")
 
 import pytest
 import torch
@@ -93,3 +99,8 @@ def hf_model():
         return _HF_CACHE[key]
 
     return get
+
+
+@pytest.fixture(autouse=True)
+def _isolated_cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("BLOCKSPEC_CACHE", str(tmp_path_factory.mktemp("cache")))

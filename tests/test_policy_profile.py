@@ -80,13 +80,17 @@ def test_profile_written_loaded_and_remeasured(qwen3_path, drafter, tmp_path, mo
 
 def test_profile_cache_location(qwen3_path, drafter, tmp_path, monkeypatch):
     monkeypatch.setenv("BLOCKSPEC_CACHE", str(tmp_path / "cache"))
-    for value in (None, "none", ""):  # CPU default and explicit "no file": nothing written
+    for value in ("none", ""):  # explicit "no file": nothing written
         llm = spec_llm(qwen3_path, drafter, cost_profile=value)
         assert llm.engine.runner.cost_profile_info["path"] is None
     assert not (tmp_path / "cache").exists()
     key = llm.engine.runner.cost_profile_info["key"]
     default = cost_profile.default_profile_path(key)
     assert default.parent == tmp_path / "cache" / "cost_profiles"
+    # The default (CPU too): the cache file, written once, then loaded.
+    llm = spec_llm(qwen3_path, drafter)
+    assert llm.engine.runner.cost_profile_info["path"] == str(default) and default.is_file()
+    assert not spec_llm(qwen3_path, drafter).engine.runner.cost_profile_info["measured"]
     assert default == cost_profile.default_profile_path(json.loads(json.dumps(key)))
     # Shapes, not paths or weights, identify a model: a copy elsewhere shares the profile.
     assert key["model"].startswith("qwen3@") and key["draft"].startswith("profile-drafter16@")

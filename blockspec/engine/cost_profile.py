@@ -90,8 +90,9 @@ def resolve_profile_path(config: EngineConfig, device: torch.device,
                          key: dict[str, Any]) -> Path | None:
     """None: measure and keep in memory only."""
     if config.cost_profile is None:
-        # NOTE: CPU profiles are cheap (tiny models, tests): not worth a cache file per model.
-        return default_profile_path(key) if device.type == "cuda" else None
+        # NOTE: cached on CPU too: eager profiling of even the 15.7M demo pair takes seconds,
+        # which every `blockspec generate` would pay again.
+        return default_profile_path(key)
     if config.cost_profile.strip().lower() in ("", "none"):
         return None
     return Path(config.cost_profile).expanduser()
