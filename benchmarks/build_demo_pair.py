@@ -53,7 +53,7 @@ def _profile(corpus_mb: float, tok_mb: float, target_s: int, samples: int, draft
 
 
 PROFILES = {
-    "full": _profile(250, 64, 570, 8192, 330),
+    "full": _profile(250, 64, 480, 4096, 300),
     "onecall": _profile(120, 16, 150, 2048, 160),
     "smoke": dict(
         corpus=["--max-mb", "0.4"], corpus_budget=15,

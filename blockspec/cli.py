@@ -55,7 +55,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     d.add_argument("--cost-profile", default=None, metavar="PATH",
                    help="step-cost profile file, measured at start-up and reused while the "
                         "model, device, dtype and block lengths match (default: a file under "
-                        "~/.cache/blockspec on CUDA; 'none': measure every start)")
+                        "~/.cache/blockspec or $BLOCKSPEC_CACHE; 'none': measure every start)")
 
 
 def block_sizes_arg(text: str) -> tuple[int, ...]:

@@ -209,7 +209,7 @@ class EngineConfig:
     # here, else the drafter's trained block size).
     block_sizes: tuple[int, ...] | None = None
     # Step-cost profile file (adaptive mode). None: a cache file under ~/.cache/blockspec
-    # (or $BLOCKSPEC_CACHE) on CUDA, none on CPU; "none" or "": measure every start, never save.
+    # (or $BLOCKSPEC_CACHE), keyed by what changes costs; "none" or "": measure every start.
     cost_profile: str | None = None
     attention_backend: str = "auto"  # auto: triton on CUDA, torch on CPU
     # Benchmark-only: accept each draft position with this probability instead of checking it.
