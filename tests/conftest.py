@@ -101,6 +101,15 @@ def hf_model():
     return get
 
 
+@pytest.fixture(scope="session")
+def drafter16(models_root, qwen3_path) -> Path:
+    """A random 2-layer, block-16 DFlash drafter for the tiny Qwen3 (spec and policy tests)."""
+    from blockspec.spec.checkpoint import build_random_drafter
+
+    return build_random_drafter(models_root / "drafter16", qwen3_path, num_layers=2,
+                                block_size=16)
+
+
 @pytest.fixture(autouse=True)
 def _isolated_cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("BLOCKSPEC_CACHE", str(tmp_path_factory.mktemp("cache")))

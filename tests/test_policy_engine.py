@@ -12,7 +12,6 @@ from helpers import assert_no_leaks, random_prompts
 from spec_models import build_constant_pair
 
 from blockspec import LLM, ConfigError, SamplingParams
-from blockspec.spec.checkpoint import build_random_drafter
 from blockspec.spec.policy import AcceptanceTracker, SpeculationPolicy, StepCostModel
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -20,9 +19,8 @@ CYCLE = [1, 4, 16, 8, 1, 1, 16, 4, 8, 8, 1, 16]  # covers every change between 1
 
 
 @pytest.fixture(scope="module")
-def drafter(models_root, qwen3_path):
-    return build_random_drafter(models_root / "policy-drafter16", qwen3_path, num_layers=2,
-                                block_size=16)
+def drafter(drafter16):
+    return drafter16
 
 
 @pytest.fixture(scope="module")

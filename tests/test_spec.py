@@ -13,15 +13,8 @@ from helpers import assert_no_leaks, random_prompts
 from spec_models import build_constant_pair
 
 from blockspec import LLM, ConfigError, SamplingParams
-from blockspec.spec.checkpoint import build_random_drafter
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def drafter16(models_root, qwen3_path):
-    return build_random_drafter(models_root / "drafter16", qwen3_path, num_layers=2,
-                                block_size=16)
 
 
 @pytest.fixture(scope="module")
