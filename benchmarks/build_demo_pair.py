@@ -8,6 +8,7 @@ against their budgets, sizes, parameter counts, tau); `--ship DIR` copies the sh
 (bf16 weights, tokenizer, configs; no optimizer state) to DIR/{target,drafter} as stages finish.
 
 Usage: python benchmarks/build_demo_pair.py --out OUT [--profile full|onecall|smoke] [--ship DIR]
+       [--reuse-target DIR [--drafter-seconds S]]   (drafter only, against an existing target)
 `full` budgets 20 min; `onecall` fits one 10-minute device call (shorter training, same recipe);
 `smoke` runs every stage tiny on CPU (< 2 min; the tests use it).
 
@@ -98,7 +99,9 @@ def ship_folder(src: Path, dst: Path) -> None:
 
 
 def build(out: str | Path, smoke: bool = False, profile: str | None = None,
-          ship: str | Path | None = None) -> dict:
+          ship: str | Path | None = None, reuse_target: str | Path | None = None) -> dict:
+    """`reuse_target`: an existing target folder (e.g. the shipped one): the tokenizer and target
+    stages are skipped and only the drafter is rebuilt against it (corpus, data, drafter, eval)."""
     profile = profile or ("smoke" if smoke else "full")
     plan = PROFILES[profile]
     env = dict(os.environ)
@@ -142,11 +145,17 @@ def build(out: str | Path, smoke: bool = False, profile: str | None = None,
     manifest = json.loads((dirs["corpus"] / "MANIFEST.json").read_text())
     # The manifest's per-file lists stay in OUT; counts, bytes and licences are recorded.
     record["corpus"] = {k: v for k, v in manifest.items() if not isinstance(v, list)}
-    stage("tokenizer", ["-m", "blockspec.train.tokenizer", "--corpus", str(dirs["corpus"]),
-                        "--out", str(dirs["tokenizer"]), *plan["tokenizer"]])
-    stage("target", ["-m", "blockspec.train.target", "--corpus", str(dirs["corpus"]),
-                     "--tokenizer", str(dirs["tokenizer"]), "--out", str(dirs["target"]),
-                     *plan["target"]])
+    if reuse_target is not None:
+        if dirs["target"].exists():
+            shutil.rmtree(dirs["target"])
+        shutil.copytree(reuse_target, dirs["target"])
+        record["stages"]["target"] = {"reused": str(reuse_target)}
+    else:
+        stage("tokenizer", ["-m", "blockspec.train.tokenizer", "--corpus", str(dirs["corpus"]),
+                            "--out", str(dirs["tokenizer"]), *plan["tokenizer"]])
+        stage("target", ["-m", "blockspec.train.target", "--corpus", str(dirs["corpus"]),
+                         "--tokenizer", str(dirs["tokenizer"]), "--out", str(dirs["target"]),
+                         *plan["target"]])
     record["target"] = json.loads((dirs["target"] / "training.json").read_text())
     record["target"]["bytes"] = _folder_bytes(dirs["target"])
     if ship:
@@ -186,8 +195,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", choices=sorted(PROFILES), default="full")
     ap.add_argument("--smoke", action="store_true", help="same as --profile smoke")
     ap.add_argument("--ship", default=None, help="copy shippable folders here as they finish")
+    ap.add_argument("--reuse-target", default=None, metavar="DIR",
+                    help="skip tokenizer and target: rebuild only the drafter for this target "
+                         "(e.g. blockspec/demo_pair/target)")
+    ap.add_argument("--drafter-seconds", type=int, default=None,
+                    help="override the profile's drafter time budget")
     a = ap.parse_args(argv)
-    build(a.out, profile="smoke" if a.smoke else a.profile, ship=a.ship)
+    profile = "smoke" if a.smoke else a.profile
+    if a.drafter_seconds:
+        plan = PROFILES[profile]
+        args = plan["drafter"]
+        if "--time-budget-s" in args:
+            args[args.index("--time-budget-s") + 1] = str(a.drafter_seconds)
+        else:
+            args += ["--time-budget-s", str(a.drafter_seconds)]
+        plan["drafter_budget"] = a.drafter_seconds + 40
+    build(a.out, profile=profile, ship=a.ship, reuse_target=a.reuse_target)
     return 0
 
 

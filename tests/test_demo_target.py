@@ -250,3 +250,9 @@ def test_build_demo_pair_smoke(tmp_path):
     assert len(llm.generate("def f(", SamplingParams(max_tokens=4))[0].token_ids) == 4
     saved = json.loads((tmp_path / "pair" / "build_record.json").read_text())
     assert saved["total_seconds"] == record["total_seconds"] < 120
+    # Drafter only, against the target just built (how a drafter is retrained for the shipped one).
+    again = mod.build(tmp_path / "again", profile="smoke",
+                      reuse_target=tmp_path / "pair" / "target")
+    assert again["stages"]["target"] == {"reused": str(tmp_path / "pair" / "target")}
+    assert "tokenizer" not in again["stages"] and again["drafter"]["bytes"] > 0
+    assert again["target"]["params"] == record["target"]["params"]
