@@ -12,15 +12,17 @@ import argparse
 import datetime
 import json
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 
 import torch
 
-from blockspec import LLM, SamplingParams
-from blockspec.demo import demo_drafter, demo_target
-from blockspec.train.cli import load_prompts
+sys.path.insert(0, str(Path(__file__).parent))
+from fast_path import timed_generate  # noqa: E402
+
+from blockspec import LLM  # noqa: E402
+from blockspec.demo import demo_drafter, demo_target  # noqa: E402
+from blockspec.train.cli import load_prompts  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 OUTPUT_LEN = 256
@@ -36,20 +38,10 @@ def make_llm(target: str, drafter: str | None, policy: str = "fixed", device: st
 
 
 def run(llm: LLM, prompts: list[str], out_len: int = OUTPUT_LEN) -> tuple[dict, list[list[int]]]:
-    params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    dt = time.perf_counter() - t0
-    n = sum(len(o.token_ids) for o in outs)
-    spec = [o.metrics.spec for o in outs if o.metrics is not None and o.metrics.spec.num_steps]
-    return ({"output_tok_s": n / dt, "elapsed_s": dt, "output_tokens": n,
-             "mean_tpot_ms": 1e3 * sum(o.metrics.tpot for o in outs) / len(outs),
-             "mean_ttft_ms": 1e3 * sum(o.metrics.ttft for o in outs) / len(outs),
-             "tau": sum(s.mean_acceptance_length for s in spec) / len(spec) if spec else None,
-             "block_len_steps": dict(sum((Counter(s.block_len_steps) for s in spec), Counter()))},
-            [list(o.token_ids) for o in outs])
+    r, outs = timed_generate(llm, prompts, out_len)
+    spec = [o.metrics.spec for o in outs if o.metrics.spec.num_steps]
+    r["block_len_steps"] = dict(sum((Counter(s.block_len_steps) for s in spec), Counter()))
+    return r, [list(o.token_ids) for o in outs]
 
 
 def main() -> int:

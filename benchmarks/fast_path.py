@@ -137,20 +137,25 @@ def replay_ms(llm: LLM, n: int, context: int, iters: int = 50) -> float:
     return times[len(times) // 2]
 
 
-def run_generate(llm: LLM, c: int, out_len: int, seed: int = 0) -> dict:
-    p = prompts(c, seed)
+def timed_generate(llm: LLM, prompts: list, out_len: int) -> tuple[dict, list]:
+    """Greedy, `out_len` tokens per prompt (ignore_eos): the throughput record every benchmark
+    here reports (output tok/s over the whole run, prefill included), and the outputs."""
     params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
-    torch.cuda.synchronize()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
     t0 = time.perf_counter()
-    outs = llm.generate(p, params, use_tqdm=False)
+    outs = llm.generate(prompts, params, use_tqdm=False)
     dt = time.perf_counter() - t0
     tokens = sum(len(o.token_ids) for o in outs)
-    spec = llm.engine.spec_stats
-    return {"output_tok_s": tokens / dt, "elapsed_s": dt, "output_tokens": tokens,
-            "mean_tpot_ms": 1e3 * sum(o.metrics.tpot for o in outs) / c,
-            "mean_ttft_ms": 1e3 * sum(o.metrics.ttft for o in outs) / c,
-            "tau": sum(o.metrics.spec.mean_acceptance_length for o in outs) / c
-            if spec.num_steps else None}
+    taus = [o.metrics.spec.mean_acceptance_length for o in outs if o.metrics.spec.num_steps]
+    return ({"output_tok_s": tokens / dt, "elapsed_s": dt, "output_tokens": tokens,
+             "mean_tpot_ms": 1e3 * sum(o.metrics.tpot for o in outs) / len(outs),
+             "mean_ttft_ms": 1e3 * sum(o.metrics.ttft for o in outs) / len(outs),
+             "tau": sum(taus) / len(taus) if taus else None}, outs)
+
+
+def run_generate(llm: LLM, c: int, out_len: int, seed: int = 0) -> dict:
+    return timed_generate(llm, prompts(c, seed), out_len)[0]
 
 
 def main() -> int:
@@ -296,23 +301,33 @@ def main() -> int:
     return 0
 
 
-def write_latest(res: dict, path: Path) -> None:
-    """Headline figures (DESIGN.md): merged into the committed latest.json, measured ones only."""
+def merge_latest(res: dict, figures: dict, path: Path) -> None:
+    """Headline figures (DESIGN.md) merged into the committed latest.json and written to `path`;
+    measured ones only, each with its run recorded under "sources" (a figure from an older run
+    keeps its own source)."""
     committed = Path(__file__).parent / "results" / "latest.json"
     latest = json.loads(committed.read_text()) if committed.is_file() else {}
-    latest.update(device=res["device"], date=res["date"], commit=res["commit"])
+    if figures:
+        latest.update(device=res["device"], date=res["date"], commit=res["commit"], **figures)
+        run = f"{res['command']} ({res['device']}, {res['date']})"
+        latest.setdefault("sources", {}).update({k: run for k in figures})
+    path.write_text(json.dumps(latest, indent=2) + "\n")
+
+
+def write_latest(res: dict, path: Path) -> None:
     ar, sp = res.get("ar", {}), res.get("dflash", {})
+    figures = {}
     if "ar_b1" in res:
-        latest["ar_b1_floor_ratio"] = round(res["ar_b1"].get("floor_ratio_engine")
-                                            or res["ar_b1"]["floor_ratio_replay"], 3)
+        figures["ar_b1_floor_ratio"] = round(res["ar_b1"].get("floor_ratio_engine")
+                                             or res["ar_b1"]["floor_ratio_replay"], 3)
     for c in (1, 32):
         if f"C={c}" in sp and f"C={c}" in ar:
-            latest[f"dflash_speedup_c{c}"] = round(
+            figures[f"dflash_speedup_c{c}"] = round(
                 sp[f"C={c}"]["output_tok_s"] / ar[f"C={c}"]["output_tok_s"], 3)
     if "hf_generate_c1" in res and "C=1" in ar:
-        latest["hf_generate_ratio_c1"] = round(
+        figures["hf_generate_ratio_c1"] = round(
             ar["C=1"]["output_tok_s"] / res["hf_generate_c1"]["output_tok_s"], 2)
-    path.write_text(json.dumps(latest, indent=2) + "\n")
+    merge_latest(res, figures, path)
 
 
 def hf_generate(target: Path) -> dict:

@@ -33,10 +33,16 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from fast_path import git_commit, make_llm, write_folders  # noqa: E402
+from fast_path import (  # noqa: E402
+    git_commit,
+    make_llm,
+    merge_latest,
+    timed_generate,
+    write_folders,
+)
 from policy_report import CONFIGS, plot, summarize  # noqa: E402
 
-from blockspec import LLM, SamplingParams  # noqa: E402
+from blockspec import LLM  # noqa: E402
 from blockspec.engine.cost_profile import (  # noqa: E402
     measure_costs,
     profile_buckets,
@@ -79,10 +85,6 @@ class Setup:
         g = torch.Generator().manual_seed(seed)
         return torch.randint(1, self.vocab, (n, self.input_len), generator=g).tolist()
 
-    def sync(self) -> None:
-        if not self.smoke:
-            torch.cuda.synchronize()
-
 
 def run_generate(setup: Setup, llm: LLM, c: int, out_len: int, seed: int,
                  draws_seed: int | None = None) -> dict:
@@ -90,30 +92,22 @@ def run_generate(setup: Setup, llm: LLM, c: int, out_len: int, seed: int,
     every config at one (a, C) sees the same draws, so two configs that run the same block
     lengths accept the same drafts; otherwise one sequence at C=1 (~40 steps) leaves tau a
     +-1 coin toss (measured: 5.14 vs 6.76 for the same block 16)."""
-    p = setup.prompts(c, seed)
-    params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
     engine = llm.engine
     if draws_seed is not None:
         engine.runner.default_generator.manual_seed(draws_seed)
     before = Counter(engine.spec_stats.block_len_steps)
-    setup.sync()
-    t0 = time.perf_counter()
-    outs = llm.generate(p, params, use_tqdm=False)
-    dt = time.perf_counter() - t0
-    tokens = sum(len(o.token_ids) for o in outs)
+    r, outs = timed_generate(llm, setup.prompts(c, seed), out_len)
     steps = Counter(engine.spec_stats.block_len_steps)
     steps.subtract(before)
-    r = {"output_tok_s": tokens / dt, "elapsed_s": dt, "output_tokens": tokens,
-         "mean_tpot_ms": 1e3 * sum(o.metrics.tpot for o in outs) / c,
-         "mean_ttft_ms": 1e3 * sum(o.metrics.ttft for o in outs) / c}
     if engine.runner.proposer is not None:
         specs = [o.metrics.spec for o in outs]
-        taus = [s.mean_acceptance_length for s in specs if s.num_steps]
-        r["tau"] = sum(taus) / len(taus) if taus else None
         r["block_len_steps"] = {str(k): v for k, v in sorted(steps.items()) if v}
         decode_steps = sum(sum(s.block_len_steps.values()) for s in specs)
         # Prefill emits each request's first token; the rest come from decode steps.
-        r["tokens_per_decode_step"] = (tokens - c) / decode_steps if decode_steps else None
+        r["tokens_per_decode_step"] = ((r["output_tokens"] - c) / decode_steps
+                                       if decode_steps else None)
+    else:
+        del r["tau"]  # plain engine: no acceptance to report
     return r
 
 
@@ -212,14 +206,11 @@ def main() -> int:
 
 
 def write_latest(res: dict, path: Path) -> None:
-    """Headline figures (DESIGN.md), merged into the committed latest.json; measured ones only."""
-    committed = Path(__file__).parent / "results" / "latest.json"
-    latest = json.loads(committed.read_text()) if committed.is_file() else {}
+    figures = {}
     if "policy_min_vs_plain" in res:
-        latest.update(device=res["device"], date=res["date"], commit=res["commit"],
-                      adaptive_min_ratio_vs_ar=round(res["policy_min_vs_plain"], 3),
-                      adaptive_min_ratio_vs_best=round(res["policy_min_vs_best"], 3))
-    path.write_text(json.dumps(latest, indent=2) + "\n")
+        figures = dict(adaptive_min_ratio_vs_ar=round(res["policy_min_vs_plain"], 3),
+                       adaptive_min_ratio_vs_best=round(res["policy_min_vs_best"], 3))
+    merge_latest(res, figures, path)
 
 
 if __name__ == "__main__":
