@@ -264,37 +264,33 @@ def test_missing_shard(qwen3_sharded_path, tmp_path):
         load_model(folder, ModelConfig.from_pretrained(folder), torch.float32, "cpu")
 
 
-def test_missing_tensor(qwen3_path, tmp_path):
-    folder = copy_folder(qwen3_path, tmp_path / "m")
+def load_edited(src: Path, dst: Path, edit) -> None:
+    """Load a copy of `src` whose weights `edit(weights)` changed in place."""
+    folder = copy_folder(src, dst)
     weights = load_file(str(folder / "model.safetensors"))
-    del weights["model.layers.2.self_attn.k_proj.weight"]
+    edit(weights)
     save_file(weights, str(folder / "model.safetensors"))
+    load_model(folder, ModelConfig.from_pretrained(folder), torch.float32, "cpu")
+
+
+def test_missing_tensor(qwen3_path, tmp_path):
     with pytest.raises(ConfigError, match="missing weights"):
-        load_model(folder, ModelConfig.from_pretrained(folder), torch.float32, "cpu")
+        load_edited(qwen3_path, tmp_path / "m",
+                    lambda w: w.pop("model.layers.2.self_attn.k_proj.weight"))
 
 
 def test_untied_checkpoint_without_lm_head(qwen3_path, tmp_path):
-    folder = copy_folder(qwen3_path, tmp_path / "m")
-    weights = load_file(str(folder / "model.safetensors"))
-    del weights["lm_head.weight"]
-    save_file(weights, str(folder / "model.safetensors"))
     with pytest.raises(ConfigError, match="lm_head"):
-        load_model(folder, ModelConfig.from_pretrained(folder), torch.float32, "cpu")
+        load_edited(qwen3_path, tmp_path / "m", lambda w: w.pop("lm_head.weight"))
 
 
 def test_wrong_shape_tensor(qwen3_path, tmp_path):
-    folder = copy_folder(qwen3_path, tmp_path / "m")
-    weights = load_file(str(folder / "model.safetensors"))
-    weights["model.layers.0.mlp.up_proj.weight"] = torch.zeros(64, 64)
-    save_file(weights, str(folder / "model.safetensors"))
     with pytest.raises(ConfigError, match="up_proj"):
-        load_model(folder, ModelConfig.from_pretrained(folder), torch.float32, "cpu")
+        load_edited(qwen3_path, tmp_path / "m", lambda w: w.update(
+            {"model.layers.0.mlp.up_proj.weight": torch.zeros(64, 64)}))
 
 
 def test_unexpected_tensor(qwen3_path, tmp_path):
-    folder = copy_folder(qwen3_path, tmp_path / "m")
-    weights = load_file(str(folder / "model.safetensors"))
-    weights["model.layers.9.mlp.up_proj.weight"] = torch.zeros(128, 64)
-    save_file(weights, str(folder / "model.safetensors"))
     with pytest.raises(ConfigError, match="unexpected weight"):
-        load_model(folder, ModelConfig.from_pretrained(folder), torch.float32, "cpu")
+        load_edited(qwen3_path, tmp_path / "m", lambda w: w.update(
+            {"model.layers.9.mlp.up_proj.weight": torch.zeros(128, 64)}))
