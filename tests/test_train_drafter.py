@@ -309,6 +309,22 @@ def test_generate_data_writes_target_greedy_ids(tmp_path, qwen3_path):
                  str(tmp_path / "x.txt")]) != 0  # not .jsonl: a one-line error
 
 
+def test_generate_data_time_budget_keeps_finished_rounds(tmp_path, qwen3_path):
+    from blockspec.cli import main
+
+    docs = tmp_path / "docs.txt"
+    docs.write_text(corpus_text()[:3000])
+    out = tmp_path / "gen.jsonl"
+    # Rounds of 4 * max-num-seqs prompts: the budget runs out in the first round, whose rows stay.
+    assert main(["generate-data", "--model", str(qwen3_path), "--data", str(docs), "--out",
+                 str(out), "--num-samples", "7", "--prompt-tokens", "8", "--max-tokens", "3",
+                 "--max-num-seqs", "1", "--time-budget-s", "1e-6", "--device", "cpu",
+                 "--dtype", "float32"]) == 0
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert len(rows) == 4 and all(len(r["input_ids"]) == 11 for r in rows)
+    assert not out.with_name(out.name + ".tmp").exists()
+
+
 def test_batched_passes_give_the_per_sequence_loss(tmp_path, qwen3_path, greedy_corpus):
     """Passes over several sequences, or over parts of one, sum to the same loss."""
     losses = []
@@ -321,3 +337,25 @@ def test_batched_passes_give_the_per_sequence_loss(tmp_path, qwen3_path, greedy_
             losses.append(sum(sh.item() for sh, _ in trainer.batch_losses(seqs, 10, gen)))
     for x in losses[1:]:
         assert abs(x - losses[0]) < 1e-4 * abs(losses[0]), losses
+
+
+def test_init_from_target_copies_the_last_layers(tmp_path, qwen3_path, greedy_corpus):
+    from safetensors.torch import load_file
+
+    target = load_file(str(qwen3_path / "model.safetensors"))
+    n = 1 + max(int(k.split(".")[2]) for k in target if k.startswith("model.layers."))
+    trainer = Trainer(_args(qwen3_path, greedy_corpus, tmp_path / "d", num_layers=2,
+                            init_from_target=True))
+    d = trainer.drafter
+    for i, j in ((0, n - 2), (1, n - 1)):
+        attn, src = d.layers[i].self_attn, f"model.layers.{j}."
+        q, k, v = attn.qkv_proj.weight.split([attn.q_size, attn.kv_size, attn.kv_size])
+        torch.testing.assert_close(q, target[src + "self_attn.q_proj.weight"].float())
+        torch.testing.assert_close(v, target[src + "self_attn.v_proj.weight"].float())
+        torch.testing.assert_close(d.layers[i].mlp.down_proj.weight,
+                                   target[src + "mlp.down_proj.weight"].float())
+        torch.testing.assert_close(d.layers[i].input_layernorm.weight,
+                                   target[src + "input_layernorm.weight"].float())
+    fresh = Trainer(_args(qwen3_path, greedy_corpus, tmp_path / "e", num_layers=2))
+    assert not torch.equal(fresh.drafter.layers[0].mlp.down_proj.weight,
+                           d.layers[0].mlp.down_proj.weight)

@@ -55,21 +55,12 @@ def load_weights(model: nn.Module, path: str | Path, ignore_prefixes: tuple[str,
             for name in f.keys():
                 if name.endswith(_IGNORED_SUFFIXES) or name.startswith(ignore_prefixes):
                     continue
-                tensor = f.get_tensor(name)
-                target, shard = _map_name(name, packed)
-                if target not in params:
-                    if name == "lm_head.weight" and "lm_head.weight" not in params:
-                        continue
-                    raise ConfigError(f"unexpected weight {name!r} in {file.name}")
-                param = params[target]
-                if shard is None:
-                    _copy(param.data, tensor, name)
-                else:
-                    sizes = model.shard_sizes(target.split(".")[-2])
-                    offset = sum(sizes[:shard])
-                    _copy(param.data.narrow(0, offset, sizes[shard]), tensor, name)
-                    target = f"{target}#{shard}"
-                loaded.add(target)
+                if _map_name(name, packed)[0] not in params and name == "lm_head.weight":
+                    continue  # tied embeddings: the model has no lm_head of its own
+                try:
+                    loaded.add(copy_weight(model, name, f.get_tensor(name), params))
+                except KeyError:
+                    raise ConfigError(f"unexpected weight {name!r} in {file.name}") from None
     expected = set()
     for name in params:
         module = name.split(".")[-2]
@@ -82,6 +73,22 @@ def load_weights(model: nn.Module, path: str | Path, ignore_prefixes: tuple[str,
     if missing:
         raise ConfigError(f"checkpoint at {str(path)!r} is missing weights: {missing[:5]}"
                           + (" ..." if len(missing) > 5 else ""))
+
+
+def copy_weight(model: nn.Module, name: str, tensor: torch.Tensor,
+                params: dict[str, nn.Parameter] | None = None) -> str:
+    """Copies one checkpoint tensor (HF name) into `model`, into its shard of a packed module
+    (qkv_proj, gate_up_proj). Returns the loaded key (`param#shard` for a shard); KeyError if the
+    model has no such parameter, ConfigError on a shape mismatch."""
+    params = dict(model.named_parameters()) if params is None else params
+    target, shard = _map_name(name, getattr(model, "packed_modules", {}))
+    param = params[target]
+    if shard is None:
+        _copy(param.data, tensor, name)
+        return target
+    sizes = model.shard_sizes(target.split(".")[-2])
+    _copy(param.data.narrow(0, sum(sizes[:shard]), sizes[shard]), tensor, name)
+    return f"{target}#{shard}"
 
 
 def _map_name(name: str, packed: dict[str, tuple[str, int]]) -> tuple[str, int | None]:

@@ -66,6 +66,7 @@ class TrainArgs:
     seed: int = 0
     mask_token_id: int | None = None
     target_layer_ids: list[int] | None = None
+    init_from_target: bool = False  # start the drafter layers as copies of the target's last ones
     quiet: bool = False
     history: list[dict[str, float]] = field(default_factory=list)  # filled by train()
 
@@ -127,7 +128,35 @@ def init_drafter(target_path: str, args: TrainArgs, tokenizer: Any,
                 p.fill_(1.0)
             else:
                 p.normal_(0.0, 0.02)
+    if args.init_from_target:
+        copy_target_layers(drafter, target_path)
     return drafter
+
+
+def copy_target_layers(drafter: DFlashDrafter, target_path: str) -> None:
+    """Drafter layer i <- target layer (n - num_layers + i): the same Qwen3 layer shapes. The
+    fc / hidden_norm / final norm keep their fresh init.
+
+    NOTE: a warm start only; the drafter's layers see [context ; block] K/V, not the target's
+    inputs, so training still has to adapt them."""
+    from safetensors import safe_open
+
+    from blockspec.models.loader import copy_weight, safetensors_files
+
+    cfg = drafter.config
+    offset = cfg.num_target_layers - cfg.geometry.num_hidden_layers
+    if offset < 0:
+        raise ConfigError("--init-from-target needs a drafter with no more layers than the target")
+    params = dict(drafter.named_parameters())
+    with torch.no_grad():
+        for file in safetensors_files(target_path):
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    parts = name.split(".")
+                    if parts[:2] != ["model", "layers"] or int(parts[2]) < offset:
+                        continue
+                    mine = ".".join(["layers", str(int(parts[2]) - offset), *parts[3:]])
+                    copy_weight(drafter, mine, f.get_tensor(name).float(), params)
 
 
 def total_steps(args: TrainArgs, n_train: int) -> int:

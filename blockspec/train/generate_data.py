@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,8 @@ def add_parser(subparsers: Any) -> None:
     gd.add_argument("--dtype", default="auto")
     gd.add_argument("--enforce-eager", action="store_true")
     gd.add_argument("--seed", type=int, default=0)
+    gd.add_argument("--time-budget-s", type=float, default=None,
+                    help="stop after the round that passes this many seconds (keeps its rows)")
     gd.set_defaults(func=cmd_generate_data)
 
 
@@ -71,6 +74,8 @@ def cmd_generate_data(args: argparse.Namespace) -> int:
     for name in ("num_samples", "prompt_tokens", "max_tokens", "max_num_seqs"):
         if getattr(args, name) <= 0:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive")
+    if args.time_budget_s is not None and args.time_budget_s <= 0:
+        raise ConfigError("--time-budget-s must be positive")
     if args.temperature < 0:
         raise ConfigError("--temperature must be >= 0")
     out = Path(args.out)
@@ -93,15 +98,24 @@ def cmd_generate_data(args: argparse.Namespace) -> int:
     params = [SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens,
                              seed=None if args.temperature == 0 else args.seed * 100003 + i)
               for i in range(len(prompts))]
-    outs = llm.generate(prompts, params, use_tqdm=True)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(out.name + ".tmp")
-    n_tokens = 0
+    # NOTE: rounds of a few full batches, so a time budget ends between rounds and keeps every
+    # finished row; without a budget it is one round (the engine schedules all at once).
+    per_round = 4 * args.max_num_seqs if args.time_budget_s else len(prompts)
+    start, n_rows, n_tokens = time.perf_counter(), 0, 0
     with tmp.open("w") as f:
-        for prompt, o in zip(prompts, outs):
-            n_tokens += len(o.token_ids)
-            f.write(json.dumps({"input_ids": prompt + list(o.token_ids),
-                                "prompt_len": len(prompt)}) + "\n")
+        for lo in range(0, len(prompts), per_round):
+            outs = llm.generate(prompts[lo:lo + per_round], params[lo:lo + per_round],
+                                use_tqdm=True)
+            for prompt, o in zip(prompts[lo:lo + per_round], outs):
+                n_tokens += len(o.token_ids)
+                f.write(json.dumps({"input_ids": prompt + list(o.token_ids),
+                                    "prompt_len": len(prompt)}) + "\n")
+            n_rows += len(outs)
+            if args.time_budget_s and time.perf_counter() - start >= args.time_budget_s:
+                break
     tmp.replace(out)  # NOTE: never a half-written data file under the final name
-    print(f"wrote {len(prompts)} samples ({n_tokens} generated tokens) to {out}")
+    cut = f" (time budget reached; {len(prompts)} asked)" if n_rows < len(prompts) else ""
+    print(f"wrote {n_rows} samples ({n_tokens} generated tokens) to {out}{cut}")
     return 0

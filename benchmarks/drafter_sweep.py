@@ -1,0 +1,165 @@
+"""Drafter recipe sweep for the demo target (issue 6), one device call.
+
+Rebuilds the corpus, regenerates drafter data with the target (`generate-data`, time-boxed), then
+trains several drafter variants IN PARALLEL on the same GPU (each `train-drafter` with the same
+time budget; the tiny demo models leave most of an H200 idle, so parallel runs cost little each),
+and measures each with `eval-acceptance` on the shared code prompts (greedy, block 16). Writes
+OUT/sweep.json (commands, seconds, final training records, tau per variant) and bf16 ship copies
+of every drafter under OUT/ship/<variant>.
+
+Usage: python benchmarks/drafter_sweep.py --out OUT [--target blockspec/demo_pair/target]
+           [--variants base,init,...] [--gen-seconds 90] [--train-seconds 300]
+       python benchmarks/drafter_sweep.py --out OUT --smoke   (CPU, tiny, < 2 min)
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from build_demo_pair import CODE_PROMPTS, PROFILES, ROOT, ship_folder  # noqa: E402
+
+# Overrides of the demo recipe's drafter arguments (build_demo_pair.PROFILES["full"]).
+VARIANTS: dict[str, list[str]] = {
+    "base": [],
+    "init": ["--init-from-target"],
+    "lr3e-3": ["--lr", "3e-3"],
+    "l3init": ["--num-layers", "3", "--init-from-target"],
+    "l1": ["--num-layers", "1"],
+}
+
+
+def _override(args: list[str], extra: list[str]) -> list[str]:
+    """`extra` flags replace the same flags in `args` (flags with one value, or switches)."""
+    out = list(args)
+    i = 0
+    while i < len(extra):
+        flag = extra[i]
+        has_value = i + 1 < len(extra) and not extra[i + 1].startswith("--")
+        if flag in out:
+            j = out.index(flag)
+            if has_value:
+                out[j + 1] = extra[i + 1]
+        else:
+            out += [flag, extra[i + 1]] if has_value else [flag]
+        i += 2 if has_value else 1
+    return out
+
+
+def _drafter_args(smoke: bool, seconds: int) -> list[str]:
+    args = list(PROFILES["smoke" if smoke else "full"]["drafter"])
+    return _override(args, ["--time-budget-s", str(seconds)])
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--target", default=str(ROOT / "blockspec" / "demo_pair" / "target"))
+    ap.add_argument("--variants", default="base,init,l3init")
+    ap.add_argument("--gen-samples", type=int, default=32768)
+    ap.add_argument("--gen-seconds", type=int, default=90)
+    ap.add_argument("--train-seconds", type=int, default=300)
+    ap.add_argument("--smoke", action="store_true")
+    a = ap.parse_args(argv)
+    names = a.variants.split(",")
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        ap.error(f"unknown variants {unknown}; known: {sorted(VARIANTS)}")
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ)
+    if a.smoke:
+        env["OMP_NUM_THREADS"] = "1"
+    record: dict = {
+        "benchmark": "drafter_sweep (issue 6): drafter recipe variants for the demo target",
+        "command": "python " + " ".join([sys.argv[0], *(argv or sys.argv[1:])]),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "python": platform.python_version(), "torch": torch.__version__,
+        "target": a.target, "stages": {}, "variants": {},
+    }
+
+    def save() -> None:
+        (out / "sweep.json").write_text(json.dumps(record, indent=1) + "\n")
+
+    def run(name: str, argv_: list[str]) -> None:
+        print(f"== {name}: {' '.join(argv_)}", flush=True)
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, *argv_], check=True, env=env, cwd=ROOT)
+        record["stages"][name] = {"command": argv_, "seconds": round(time.perf_counter() - t0, 1)}
+        print(f"== {name}: {record['stages'][name]['seconds']}s", flush=True)
+        save()
+
+    corpus = out / "corpus"
+    run("corpus", ["-m", "blockspec.train.corpus", "--out", str(corpus),
+                   *(["--max-mb", "0.4"] if a.smoke else ["--all-permissive", "--max-mb", "120"])])
+    data = out / "gen" / "target_outputs.jsonl"
+    gen = ["--num-samples", str(a.gen_samples), "--prompt-tokens", "64", "--max-tokens", "256",
+           "--max-num-seqs", "512", "--time-budget-s", str(a.gen_seconds)]
+    if a.smoke:
+        gen = ["--num-samples", "8", "--prompt-tokens", "16", "--max-tokens", "24", "--device",
+               "cpu", "--max-model-len", "128"]
+    run("gen", ["-m", "blockspec.cli", "generate-data", "--model", a.target, "--data",
+                str(corpus / "train.jsonl"), "--out", str(data), *gen])
+    record["gen_rows"] = sum(1 for _ in data.open())
+
+    # All variants at once, each with the same time budget.
+    procs = {}
+    t0 = time.perf_counter()
+    for name in names:
+        args = _override(_drafter_args(a.smoke, a.train_seconds), VARIANTS[name])
+        cmd = ["-m", "blockspec.cli", "train-drafter", "--target", a.target, "--data", str(data),
+               "--out", str(out / "drafters" / name), *args]
+        record["variants"][name] = {"train_command": cmd}
+        log = (out / f"train_{name}.log").open("w")
+        procs[name] = (subprocess.Popen([sys.executable, *cmd], env=env, cwd=ROOT, stdout=log,
+                                        stderr=subprocess.STDOUT), log)
+    for name, (p, log) in procs.items():
+        rc = p.wait()
+        log.close()
+        record["variants"][name]["train_rc"] = rc
+    record["stages"]["train_parallel"] = {"seconds": round(time.perf_counter() - t0, 1)}
+    save()
+
+    # NOTE: one at a time: each engine sizes its KV cache from the free GPU memory.
+    for name in names:
+        v = record["variants"][name]
+        if v["train_rc"] != 0:
+            continue
+        res = out / f"eval_{name}.json"
+        cmd = ["-m", "blockspec.cli", "eval-acceptance", "--model", a.target, "--draft",
+               str(out / "drafters" / name), "--prompts", str(CODE_PROMPTS), "--block-size",
+               "16" if not a.smoke else "4", "--max-tokens", "256" if not a.smoke else "8",
+               "--out", str(res), *(["--num-prompts", "2", "--device", "cpu"] if a.smoke else [])]
+        v["eval_command"] = cmd
+        p = subprocess.run([sys.executable, *cmd], env=env, cwd=ROOT, capture_output=True)
+        if p.returncode != 0:
+            v["eval_error"] = p.stderr.decode()[-2000:]
+            continue
+        ev = json.loads(res.read_text())
+        v["tau_code"] = ev["mean_acceptance_length"]
+        v["acceptance_rate_per_position"] = ev["acceptance_rate_per_position"]
+        state = out / "drafters" / name / "training_state.pt"
+        if state.is_file():
+            st = torch.load(state, map_location="cpu", weights_only=True)
+            v["train_steps"], v["train_seconds"] = st["step"], round(st["elapsed"], 1)
+        ship_folder(out / "drafters" / name, out / "ship" / name)
+        print(f"== {name}: tau {v['tau_code']:.3f} after {v.get('train_steps')} steps",
+              flush=True)
+        save()
+    save()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
