@@ -104,7 +104,8 @@ def _cache_rows(llm: LLM, seq, n: int) -> tuple[torch.Tensor, torch.Tensor]:
 def test_kv_and_drafter_context_consistent_across_block_lengths(qwen3_path, drafter):
     """Synthetic acceptance commits several tokens per step; after steps of 1, 4, 8, 16 in turn,
     the target's and the drafter's caches hold exactly what one prefill of the same tokens
-    writes. (A plain step that skipped the drafter context would fail this.)"""
+    writes. (A plain step whose staged drafter context were never written, or written to the
+    wrong slots, would fail this: the run ends on plain steps and flushes explicitly.)"""
     prompt = random_prompts([21], seed=9)[0]
     a = spec_llm(qwen3_path, drafter, synthetic_acceptance=0.7, benchmark_mode=True,
                  enable_prefix_caching=False)
@@ -116,6 +117,11 @@ def test_kv_and_drafter_context_consistent_across_block_lengths(qwen3_path, draf
         a.engine.step()
     assert set(a.engine.spec_stats.block_len_steps) == {1, 4, 8, 16}
     assert a.engine.spec_stats.num_accepted_tokens > 10
+    force_cycle(a, [1])
+    for _ in range(3):
+        a.engine.step()
+    assert len(a.engine.runner.staging) >= 3
+    a.engine.runner.flush_context()  # NOTE: the drafter would do it before its next run
     n = seq.num_computed_tokens
     tokens = seq.token_ids()[:n]
     b = spec_llm(qwen3_path, drafter, speculation_policy="fixed", enable_prefix_caching=False)

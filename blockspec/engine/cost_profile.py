@@ -2,15 +2,18 @@
 
 For every block length L (1 = plain decode, plus the speculative ones) and batch size, times the
 engine's fixed-shape decode step: CUDA-graph replays timed with CUDA events, or eager calls timed
-with perf_counter (CPU, `--enforce-eager`). The batch reads a realistic context (`profile_context`
-tokens per sequence) through distinct KV blocks, so attention streams as much KV as a real batch.
+with perf_counter (CPU, `--enforce-eager`). The batch reads a realistic context
+(`profile_context` tokens per sequence) through distinct KV blocks, so attention streams as much
+KV as a real batch. A plain step with a drafter also pays its share of the batched
+drafter-context write that it defers (`_time_flush`).
 NOTE: it runs at engine start, before any request: the blocks it writes are all free, and the
 KV written there is overwritten when they are first allocated.
 
 The result is cached in a JSON file keyed by everything that changes step costs: model and
 drafter shapes (a hash of their config.json; weights do not change costs), device name, dtype,
 KV block size, block lengths, batch buckets, graphs or eager, attention backend, profiled
-context, torch version. A matching file is loaded instead of measured.
+context, torch version, and the version of the steps themselves (`STEP_VERSION`). A matching
+file is loaded instead of measured.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from blockspec.config import EngineConfig
+from blockspec.engine.context_staging import STAGING_STEPS
 from blockspec.layers.attention import PagedAttention
 from blockspec.spec.policy import StepCostModel, profile_key
 
@@ -35,6 +39,10 @@ if TYPE_CHECKING:
 
 GRAPH_WARMUP, GRAPH_ITERS = 2, 8
 EAGER_WARMUP, EAGER_ITERS = 1, 3
+# NOTE: bump whenever what a profiled step computes changes, so profiles cached with the old
+# steps are re-measured. 2: the plain step stages its drafter context, written in batches (its
+# share of a batched write is timed with it).
+STEP_VERSION = 2
 # Eager CPU steps (tests, development): a coarse grid; beyond 16 the model extrapolates.
 CPU_BUCKETS = (1, 4, 16)
 
@@ -76,7 +84,7 @@ def cost_key(runner: ModelRunner, config: EngineConfig) -> dict[str, Any]:
     key.update(draft=model_id(config.draft), buckets=profile_buckets(runner),
                graphs=bool(runner.graphs_by_len), attention_backend=attn.backend.name,
                context=profile_context(runner), max_model_len=runner.max_model_len,
-               torch=torch.__version__)
+               torch=torch.__version__, steps=STEP_VERSION)
     return key
 
 
@@ -142,6 +150,26 @@ def _time_eager(runner: ModelRunner, L: int, n: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def _time_flush(runner: ModelRunner, n: int, ctx: int) -> float:
+    """A plain step's share of the batched drafter-context write it defers: one flush of
+    STAGING_STEPS * n rows (the staging's refill period at batch n), per step."""
+    staging, cuda = runner.staging, runner.device.type == "cuda"
+    rows = min(STAGING_STEPS * n, staging.capacity)
+    blocks = [i % runner.bm.num_blocks for i in range(rows)]
+    times = []
+    for i in range(EAGER_WARMUP + EAGER_ITERS):
+        staging.stage_placeholders(blocks, [ctx] * rows)
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        staging.flush()
+        if cuda:
+            torch.cuda.synchronize()
+        if i >= EAGER_WARMUP:
+            times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2] * n / rows
+
+
 @torch.inference_mode()
 def measure_costs(runner: ModelRunner, buckets: list[int], ctx: int) -> StepCostModel:
     """Step time for every (block length, bucket): graph replay where graphs exist."""
@@ -153,6 +181,10 @@ def measure_costs(runner: ModelRunner, buckets: list[int], ctx: int) -> StepCost
                 _fill_buffers(runner, n, ctx)
                 timer = _time_graph if L in runner.graphs_by_len else _time_eager
                 row[n] = timer(runner, L, n)
+                if L == 1 and runner.staging is not None:
+                    # NOTE: a plain step's drafter context is written later, batched with other
+                    # steps' (ContextStaging): its share is part of what the step costs.
+                    row[n] += _time_flush(runner, n, ctx)
     finally:
         runner.bufs.block_tables.fill_(runner.trash_block)
         runner.bufs.ctx_lens.zero_()

@@ -6,6 +6,8 @@ bucket.
 
 NOTE: padded lanes of a bucket read and write only the trash block (the KV pools have one block
 more than the block manager hands out), so replaying a bucket larger than the batch is harmless.
+NOTE: a change to what a step computes changes its cost: bump cost_profile.STEP_VERSION, so
+cached cost profiles measured with the old step are not loaded.
 """
 
 from __future__ import annotations
@@ -57,20 +59,31 @@ class StepOutputs:
     logits: torch.Tensor  # [S * Q, V], for sampling and logprobs
     drafts: torch.Tensor | None  # [S, Q-1]
     num_accepted: torch.Tensor | None  # [S] accepted drafts under greedy (or synthetic) rules
+    # [S, n_taps * H] the target's tapped hidden states, concatenated in the drafter's order
+    # (a deferred-context plain step only; the runner stages them for a later batched write).
+    taps: torch.Tensor | None = None
 
 
 class DecodeStep:
-    """One step of block length `q`: 1 = plain decode (with a proposer it still writes the
-    drafter's context K/V for the verified token), q > 1 = draft q - 1 tokens and verify q."""
+    """One step of block length `q`: 1 = plain decode, q > 1 = draft q - 1 tokens and verify q.
+
+    With a proposer, the step writes the drafter's context K/V of the verified tokens, except a
+    plain step built with `defer_context`: it returns the taps instead (`StepOutputs.taps`), and
+    the caller must have them written before the drafter next runs (ModelRunner stages them).
+    """
 
     def __init__(self, model: CausalLM, proposer: DFlashProposer | None, q: int,
-                 kv_block_size: int, max_seq_len: int, synthetic: bool = False) -> None:
+                 kv_block_size: int, max_seq_len: int, synthetic: bool = False,
+                 defer_context: bool = False) -> None:
+        if defer_context and (proposer is None or q != 1):
+            raise ValueError("only a plain step (q = 1) with a proposer can defer its context")
         self.model = model
         self.proposer = proposer
         self.q = q
         self.kv_block_size = kv_block_size
         self.max_seq_len = max_seq_len
         self.synthetic = synthetic  # accept drafts with probability bufs.acceptance (benchmarks)
+        self.defer_context = defer_context
 
     def metadata(self, bufs: StepBuffers, s: int, causal: bool
                  ) -> tuple[torch.Tensor, AttentionMetadata]:
@@ -114,7 +127,12 @@ class DecodeStep:
             ids = last
         tap_ids = self.proposer.target_layer_ids if self.proposer is not None else ()
         hidden, taps = self.model(ids, positions, meta, tap_ids)
-        if self.proposer is not None:
+        staged = None
+        if self.defer_context:
+            # NOTE: one [S, n_taps * H] tensor: the runner stages it with a single copy, and the
+            # drafter's fc reads that layout directly.
+            staged = torch.cat(taps, dim=-1)
+        elif self.proposer is not None:
             self.proposer.write_context(taps, positions, meta.slot_mapping)
         logits = self.model.compute_logits(hidden)
         target = logits.argmax(dim=-1).view(s, q)
@@ -125,7 +143,7 @@ class DecodeStep:
                 acc = hits.to(torch.int64).cumprod(dim=1).sum(dim=1)
             else:
                 acc = num_accepted(drafts, target)
-        return StepOutputs(target, logits, drafts, acc)
+        return StepOutputs(target, logits, drafts, acc, staged)
 
 
 class GraphedDecodeStep:

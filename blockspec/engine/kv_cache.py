@@ -31,6 +31,10 @@ class BlockManager:
         self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks
         self.hash_to_block: dict[int, int] = {}
         self.free_blocks: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        # NOTE: bumped each time `allocate` hands a block out afresh (its old content is dead); a
+        # block revived from the prefix cache keeps it (same tokens, same K/V). Deferred writes
+        # for a block are valid only while its generation is the one they were staged under.
+        self.generation = [0] * num_blocks
         self.num_prefix_hits = 0  # blocks reused from the cache, for metrics
 
     @property
@@ -112,6 +116,7 @@ class BlockManager:
         for _ in range(needed):
             block, _ = self.free_blocks.popitem(last=False)
             self._evict_hash(block)
+            self.generation[block] += 1
             self.ref_counts[block] = 1
             seq.block_table.append(block)
 

@@ -14,6 +14,7 @@ from blockspec.engine.decode_step import graph_buckets
 from blockspec.engine.detokenizer import IncrementalDetokenizer, eos_token_ids, load_tokenizer
 from blockspec.engine.kv_cache import BlockManager
 from blockspec.engine.memory import (
+    context_staging_bytes,
     decide_num_blocks,
     graph_output_bytes,
     kv_bytes_per_block,
@@ -83,8 +84,15 @@ class LLMEngine:
                 self.model, min(config.max_num_batched_tokens, self.max_model_len),
                 config.max_num_seqs * max(self.spec_block_size, 1), config.kv_block_size,
                 self.dtype)
+            adaptive = drafter is not None and config.speculation_policy == "adaptive"
+            if drafter is not None:
+                # NOTE: the runner's staging of plain steps' drafter context (allocated after the
+                # KV cache) stays outside the KV budget; a flush's transient peaks on its own.
+                kept, peak = context_staging_bytes(config, mc, drafter.config,
+                                                   adaptive and not config.enforce_eager,
+                                                   self.dtype)
+                activation = max(activation, peak) + kept
             if not config.enforce_eager:
-                adaptive = drafter is not None and config.speculation_policy == "adaptive"
                 lens = [1, *self.spec_block_lens] if adaptive else [max(self.spec_block_size, 1)]
                 activation += graph_output_bytes(lens, graph_buckets(config.max_num_seqs),
                                                  mc.vocab_size, self.dtype)

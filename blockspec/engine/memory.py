@@ -6,8 +6,11 @@ from __future__ import annotations
 import torch
 
 from blockspec.config import ConfigError, EngineConfig, ModelConfig
+from blockspec.engine.context_staging import staging_rows
+from blockspec.engine.decode_step import graph_buckets
 from blockspec.layers.attention import AttentionMetadata, PagedAttention
 from blockspec.models.qwen3 import CausalLM
+from blockspec.spec.config import DFlashConfig
 
 _GiB = 1 << 30
 
@@ -74,3 +77,19 @@ def graph_output_bytes(block_lens: list[int], buckets: list[int], vocab_size: in
     elem = torch.empty((), dtype=dtype).element_size()
     sizes = [b * L * vocab_size * elem for L in block_lens for b in buckets]
     return sum(sizes) - max(sizes, default=0)
+
+
+def context_staging_bytes(config: EngineConfig, target: ModelConfig, drafter: DFlashConfig,
+                          graphed: bool, dtype: torch.dtype) -> tuple[int, int]:
+    """(persistent, transient) bytes of the runner's deferred plain-step context writes.
+    Persistent: the staging rows and the taps output that each captured plain-step graph keeps
+    alive (`graphed`). Transient, while a flush runs: the fused features (fc output and its
+    norm) and one drafter layer's K/V projection for every staged row."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    rows = staging_rows(config.max_num_seqs)
+    width = len(drafter.target_layer_ids) * target.hidden_size
+    buckets = graph_buckets(config.max_num_seqs) if graphed else []
+    g = drafter.geometry
+    persistent = (rows + sum(buckets)) * width * elem
+    transient = rows * 2 * (g.hidden_size + g.num_key_value_heads * g.head_dim) * elem
+    return persistent, transient

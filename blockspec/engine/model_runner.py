@@ -4,9 +4,11 @@ what each sequence committed. The host syncs once per step, to read the tokens.
 
 With a drafter, every step's block length L (1 = plain decode, or one of the speculative block
 lengths) comes from the speculation controller; all decoding sequences of a step share it.
-NOTE: whatever L, a step writes the drafter's context K/V at every verified position (L = 1
-included), so for every sequence both KV pools hold valid entries for all committed tokens and
-the next step may run any L.
+NOTE: every committed token gets the drafter's context K/V, so the next step may run any L:
+speculative and mixed steps write it at their verified positions; an all-plain step (L = 1) only
+stages its taps (`ContextStaging`), written in one batched pass before the drafter next runs (or
+when the staging fills). Whenever the drafter runs, both KV pools hold valid entries for every
+committed token of its sequences.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import numpy as np
 import torch
 
 from blockspec.config import ConfigError, EngineConfig, ModelConfig
+from blockspec.engine.context_staging import ContextStaging, staging_rows
 from blockspec.engine.cost_profile import load_or_measure_costs
 from blockspec.engine.decode_step import (
     DecodeStep,
@@ -70,9 +73,17 @@ class ModelRunner(MixedStepMixin):
         if self.spec_lens and (self.spec_lens[0] < 2 or self.spec_lens[-1] > self.max_block):
             raise ConfigError(f"block lengths {self.spec_lens} must be in [2, {self.max_block}]")
         adaptive = proposer is not None and config.speculation_policy == "adaptive"
+        # NOTE: with a drafter the plain step defers its context write to `self.staging`.
         self.steps = {L: DecodeStep(model, proposer, L, block_manager.block_size, max_model_len,
-                                    synthetic=self.synthetic is not None)
+                                    synthetic=self.synthetic is not None,
+                                    defer_context=proposer is not None and L == 1)
                       for L in [1, *self.spec_lens]}
+        self.staging: ContextStaging | None = None
+        if proposer is not None:
+            width = len(proposer.target_layer_ids) * model_cfg.hidden_size
+            self.staging = ContextStaging(proposer, block_manager, self.trash_block,
+                                          staging_rows(config.max_num_seqs), width, dtype,
+                                          self.device)
         self.decode = self.steps[self.max_block]  # the fixed policy's step (and the AR step)
         max_blocks = -(-(max_model_len + self.max_block) // block_manager.block_size)
         self.bufs = StepBuffers.allocate(config.max_num_seqs, max_blocks, self.max_block,
@@ -131,6 +142,13 @@ class ModelRunner(MixedStepMixin):
 
     # -- stepping ---------------------------------------------------------------------------
     @torch.inference_mode()
+    def flush_context(self) -> None:
+        """Write the drafter context K/V of every staged plain-step token now (the runner does
+        this itself before the drafter runs; tests call it to inspect the drafter's cache)."""
+        if self.staging is not None:
+            self.staging.flush()
+
+    @torch.inference_mode()
     def execute(self, seqs: list[Sequence], num_new_tokens: list[int]) -> StepResult:
         decoding = [n == 1 and s.num_computed_tokens == s.num_tokens - 1
                     for s, n in zip(seqs, num_new_tokens)]
@@ -142,6 +160,8 @@ class ModelRunner(MixedStepMixin):
         # of the context. Without a drafter, 0: decodes go through the plain paths.
         blens = [min(L, self.max_model_len - s.num_computed_tokens) if d and self.proposer
                  else 0 for s, d in zip(seqs, decoding)]
+        if max(blens, default=0) >= 2:
+            self.flush_context()  # NOTE: the drafter runs this step: its context must be whole
         if n_dec == len(seqs) and (self.proposer is None or all(b == L for b in blens)):
             res = self._execute_decode(seqs, L)
         else:
@@ -173,6 +193,9 @@ class ModelRunner(MixedStepMixin):
             out = graphs.replay(n)
         else:
             out = step(bufs, n)
+        if out.taps is not None:
+            # NOTE: now, before the next replay overwrites the graph's output.
+            self.staging.stage(out.taps, seqs)
         params = [s.params for s in seqs]
         target = out.target_tokens[:n]
         logits = out.logits[:n * q]

@@ -99,10 +99,11 @@ class DFlashDrafter(nn.Module):
             return [g.num_attention_heads * g.head_dim, kv, kv]
         return [g.intermediate_size, g.intermediate_size]
 
-    def fuse(self, taps: list[torch.Tensor]) -> torch.Tensor:
-        """Target hidden states at target_layer_ids (config order) -> context features [T, H]."""
-        return rms_norm(self.fc(torch.cat(taps, dim=-1)), self.hidden_norm.weight,
-                        self.hidden_norm.eps)
+    def fuse(self, taps: list[torch.Tensor] | torch.Tensor) -> torch.Tensor:
+        """Target hidden states at target_layer_ids (config order), as a list of [T, H_target]
+        or already concatenated [T, n_taps * H_target] -> context features [T, H]."""
+        x = taps if isinstance(taps, torch.Tensor) else torch.cat(taps, dim=-1)
+        return rms_norm(self.fc(x), self.hidden_norm.weight, self.hidden_norm.eps)
 
     def write_context(self, ctx: torch.Tensor, positions: torch.Tensor,
                       slot_mapping: torch.Tensor) -> None:

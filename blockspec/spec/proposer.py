@@ -64,9 +64,10 @@ class DFlashProposer:
         for i, layer in enumerate(layers):
             layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
 
-    def write_context(self, taps: list[torch.Tensor], positions: torch.Tensor,
+    def write_context(self, taps: list[torch.Tensor] | torch.Tensor, positions: torch.Tensor,
                       slot_mapping: torch.Tensor) -> None:
-        """Fuse the target's tapped hidden states and store the drafter's context K/V."""
+        """Fuse the target's tapped hidden states (a list, or concatenated [T, n_taps * H]) and
+        store the drafter's context K/V."""
         self.drafter.write_context(self.drafter.fuse(taps), positions, slot_mapping)
 
     def propose(self, last_tokens: list[int], block_lens: list[int], context_lens: list[int],
