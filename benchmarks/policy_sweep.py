@@ -37,6 +37,7 @@ from fast_path import (  # noqa: E402
     git_commit,
     make_llm,
     merge_latest,
+    pool_runs,
     timed_generate,
     write_folders,
 )
@@ -111,6 +112,13 @@ def run_generate(setup: Setup, llm: LLM, c: int, out_len: int, seed: int,
     return r
 
 
+def repeated(setup: Setup, llm: LLM, c: int, out_len: int, seeds: list[int],
+             draws_seeds: list[int | None]) -> dict:
+    """`run_generate` once per seed, pooled (`fast_path.pool_runs`)."""
+    return pool_runs([run_generate(setup, llm, c, out_len, s, d)
+                      for s, d in zip(seeds, draws_seeds)])
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out-dir", required=True)
@@ -119,8 +127,15 @@ def main() -> int:
     ap.add_argument("--acceptance", default="0.86,0.6")
     ap.add_argument("--cost-profile", default=None,
                     help="engine --cost-profile (default: the engine's cache file)")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="timed runs per cell (fresh prompts and draws each; pooled)")
+    ap.add_argument("--c1-repeats", type=int, default=None,
+                    help="timed runs at C=1 (default --repeats): one sequence's ~40 steps "
+                         "leave its synthetic tau a coin toss, more runs pool more draws")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny random models, < 1 minute")
     args = ap.parse_args()
+    if args.repeats < 1 or (args.c1_repeats is not None and args.c1_repeats < 1):
+        ap.error("--repeats and --c1-repeats must be >= 1")
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cs = [int(c) for c in (args.concurrency or ("1,4" if args.smoke else
@@ -140,7 +155,11 @@ def main() -> int:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "input_len": setup.input_len, "output_len": out_len, "concurrency": cs,
         "acceptance": accs, "warmup_tokens": WARMUP_TOKENS, "prefix_caching": False,
+        "repeats": args.repeats, "c1_repeats": args.c1_repeats or args.repeats,
     }
+
+    def reps(c: int) -> int:
+        return (args.c1_repeats or args.repeats) if c == 1 else args.repeats
     res["commit"] = git_commit()
 
     def save() -> None:
@@ -162,14 +181,15 @@ def main() -> int:
     plain = setup.llm(draft=False)
     res["plain_startup_s"] = time.perf_counter() - t0
     # The plain engine's decode step timed like the speculative engine's profile, to compare its
-    # plain (L = 1, drafter context written) step with the engine without a drafter.
+    # plain (L = 1, drafter context staged) step with the engine without a drafter.
     r = plain.engine.runner
     res["plain_step_times"] = measure_costs(r, profile_buckets(r), profile_context(r)) \
         .to_json()["times"]["1"]
     res["plain"] = {}
     for c in cs:
         run_generate(setup, plain, c, WARMUP_TOKENS, next(seed))
-        r = run_generate(setup, plain, c, out_len, next(seed))
+        n = reps(c)
+        r = repeated(setup, plain, c, out_len, [next(seed) for _ in range(n)], [None] * n)
         res["plain"][f"C={c}"] = r
         print(f"plain C={c}: {r['output_tok_s']:.1f} tok/s, TPOT {r['mean_tpot_ms']:.2f} ms",
               flush=True)
@@ -191,8 +211,10 @@ def main() -> int:
             for name, mode, fixed_len in CONFIGS:
                 runner.set_policy(mode, fixed_len)
                 run_generate(setup, sp, c, WARMUP_TOKENS, next(seed))
-                r = run_generate(setup, sp, c, out_len, next(seed),
-                                 draws_seed=1_000_003 * c + round(1000 * a))
+                n = reps(c)
+                # NOTE: repeat k uses the same draws for every config (common random numbers).
+                r = repeated(setup, sp, c, out_len, [next(seed) for _ in range(n)],
+                             [1_000_003 * c + round(1000 * a) + 7 * k for k in range(n)])
                 runs.setdefault(f"C={c}", {})[name] = r
                 print(f"a={a} C={c} {name}: {r['output_tok_s']:.1f} tok/s, tau {r['tau']}, "
                       f"steps by L {r['block_len_steps']}", flush=True)

@@ -185,11 +185,17 @@ def test_cli_flags(qwen3_path, capsys):
 def test_policy_sweep_smoke(tmp_path):
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "policy_sweep.py"),
-                           "--smoke", "--out-dir", str(tmp_path)], env=env, cwd=REPO,
+                           "--smoke", "--c1-repeats", "2", "--out-dir", str(tmp_path)],
+                          env=env, cwd=REPO,
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads((tmp_path / "policy_sweep.json").read_text())
     assert set(res["plain"]) == {"C=1", "C=4"}
+    # C=1 pools two runs (tokens over time), C=4 is a single run
+    one = res["spec"]["a=0.6"]["C=1"]["fixed 8"]
+    assert one["repeats"] == 2 and len(one["runs"]) == 2 and "repeats" not in res["plain"]["C=4"]
+    assert one["output_tokens"] == sum(r["output_tokens"] for r in one["runs"])
+    assert one["block_len_steps"]["8"] == sum(r["block_len_steps"]["8"] for r in one["runs"])
     for a in ("a=0.86", "a=0.6"):
         for c in ("C=1", "C=4"):
             runs = res["spec"][a][c]
