@@ -1,11 +1,11 @@
 """Drafter recipe sweep for the demo target (issue 6), one device call.
 
-Rebuilds the corpus, regenerates drafter data with the target (`generate-data`, time-boxed), then
-trains several drafter variants IN PARALLEL on the same GPU (each `train-drafter` with the same
-time budget; the tiny demo models leave most of an H200 idle, so parallel runs cost little each),
-and measures each with `eval-acceptance` on the shared code prompts (greedy, block 16). Writes
-OUT/sweep.json (commands, seconds, final training records, tau per variant) and bf16 ship copies
-of every drafter under OUT/ship/<variant>.
+Rebuilds the corpus, regenerates drafter data with the target (`generate-data`, time-boxed, one
+process per GPU with its own seed), then trains the drafter variants IN PARALLEL (variant i on GPU
+i mod --gpus; variants sharing a GPU share its time), each `train-drafter` with the same time
+budget, and measures each with `eval-acceptance` on the shared code prompts (greedy, block 16).
+Writes OUT/sweep.json (commands, seconds, steps, tau per variant), OUT/best.txt (the variant
+with the highest tau) and bf16 ship copies of every drafter under OUT/ship/<variant>.
 
 Usage: python benchmarks/drafter_sweep.py --out OUT [--target blockspec/demo_pair/target]
            [--variants base,init,...] [--gen-seconds 90] [--train-seconds 300]
@@ -22,6 +22,7 @@ import platform
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -36,6 +37,8 @@ VARIANTS: dict[str, list[str]] = {
     "lr3e-3": ["--lr", "3e-3"],
     "l3init": ["--num-layers", "3", "--init-from-target"],
     "l1": ["--num-layers", "1"],
+    "l3": ["--num-layers", "3"],
+    "l4": ["--num-layers", "4"],
 }
 
 
@@ -69,8 +72,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gen-samples", type=int, default=32768)
     ap.add_argument("--gen-seconds", type=int, default=90)
     ap.add_argument("--train-seconds", type=int, default=300)
+    ap.add_argument("--gpus", type=int, default=None, help="default: every visible GPU")
     ap.add_argument("--smoke", action="store_true")
     a = ap.parse_args(argv)
+    gpus = max(1, a.gpus or torch.cuda.device_count())
     names = a.variants.split(",")
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
@@ -86,8 +91,12 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "python": platform.python_version(), "torch": torch.__version__,
-        "target": a.target, "stages": {}, "variants": {},
+        "target": a.target, "gpus": 0 if a.smoke else gpus, "stages": {}, "variants": {},
     }
+
+    def on_gpu(i: int) -> dict:
+        """Environment of a process pinned to GPU i mod gpus."""
+        return env if a.smoke else {**env, "CUDA_VISIBLE_DEVICES": str(i % gpus)}
 
     def save() -> None:
         (out / "sweep.json").write_text(json.dumps(record, indent=1) + "\n")
@@ -103,27 +112,37 @@ def main(argv: list[str] | None = None) -> int:
     corpus = out / "corpus"
     run("corpus", ["-m", "blockspec.train.corpus", "--out", str(corpus),
                    *(["--max-mb", "0.4"] if a.smoke else ["--all-permissive", "--max-mb", "120"])])
-    data = out / "gen" / "target_outputs.jsonl"
-    gen = ["--num-samples", str(a.gen_samples), "--prompt-tokens", "64", "--max-tokens", "256",
-           "--max-num-seqs", "512", "--time-budget-s", str(a.gen_seconds)]
+    gen = ["--prompt-tokens", "64", "--max-tokens", "256", "--max-num-seqs", "512",
+           "--time-budget-s", str(a.gen_seconds)]
     if a.smoke:
-        gen = ["--num-samples", "8", "--prompt-tokens", "16", "--max-tokens", "24", "--device",
-               "cpu", "--max-model-len", "128"]
-    run("gen", ["-m", "blockspec.cli", "generate-data", "--model", a.target, "--data",
-                str(corpus / "train.jsonl"), "--out", str(data), *gen])
-    record["gen_rows"] = sum(1 for _ in data.open())
+        gen = ["--prompt-tokens", "16", "--max-tokens", "24", "--device", "cpu",
+               "--max-model-len", "128"]
+    parts = 1 if a.smoke else gpus
+    per_part = 8 if a.smoke else -(-a.gen_samples // parts)
+    data = [out / "gen" / f"target_outputs_{k}.jsonl" for k in range(parts)]
+    cmds = [["-m", "blockspec.cli", "generate-data", "--model", a.target, "--data",
+             str(corpus / "train.jsonl"), "--out", str(f), "--num-samples", str(per_part),
+             "--seed", str(k), *gen] for k, f in enumerate(data)]
+    print(f"== gen: {parts} x {' '.join(cmds[0])}", flush=True)
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(parts) as pool:
+        list(pool.map(lambda kc: subprocess.run([sys.executable, *kc[1]], check=True,
+                                                env=on_gpu(kc[0]), cwd=ROOT), enumerate(cmds)))
+    record["stages"]["gen"] = {"commands": cmds, "seconds": round(time.perf_counter() - t0, 1)}
+    record["gen_rows"] = sum(sum(1 for _ in f.open()) for f in data)
+    save()
 
     # All variants at once, each with the same time budget.
     procs = {}
     t0 = time.perf_counter()
-    for name in names:
+    for i, name in enumerate(names):
         args = _override(_drafter_args(a.smoke, a.train_seconds), VARIANTS[name])
-        cmd = ["-m", "blockspec.cli", "train-drafter", "--target", a.target, "--data", str(data),
-               "--out", str(out / "drafters" / name), *args]
-        record["variants"][name] = {"train_command": cmd}
+        cmd = ["-m", "blockspec.cli", "train-drafter", "--target", a.target, "--data",
+               *map(str, data), "--out", str(out / "drafters" / name), *args]
+        record["variants"][name] = {"train_command": cmd, "gpu": i % gpus}
         log = (out / f"train_{name}.log").open("w")
-        procs[name] = (subprocess.Popen([sys.executable, *cmd], env=env, cwd=ROOT, stdout=log,
-                                        stderr=subprocess.STDOUT), log)
+        procs[name] = (subprocess.Popen([sys.executable, *cmd], env=on_gpu(i), cwd=ROOT,
+                                        stdout=log, stderr=subprocess.STDOUT), log)
     for name, (p, log) in procs.items():
         rc = p.wait()
         log.close()
@@ -131,21 +150,20 @@ def main(argv: list[str] | None = None) -> int:
     record["stages"]["train_parallel"] = {"seconds": round(time.perf_counter() - t0, 1)}
     save()
 
-    # NOTE: one at a time: each engine sizes its KV cache from the free GPU memory.
-    for name in names:
+    def evaluate(i: int, name: str) -> None:
         v = record["variants"][name]
         if v["train_rc"] != 0:
-            continue
+            return
         res = out / f"eval_{name}.json"
         cmd = ["-m", "blockspec.cli", "eval-acceptance", "--model", a.target, "--draft",
                str(out / "drafters" / name), "--prompts", str(CODE_PROMPTS), "--block-size",
                "16" if not a.smoke else "4", "--max-tokens", "256" if not a.smoke else "8",
                "--out", str(res), *(["--num-prompts", "2", "--device", "cpu"] if a.smoke else [])]
         v["eval_command"] = cmd
-        p = subprocess.run([sys.executable, *cmd], env=env, cwd=ROOT, capture_output=True)
+        p = subprocess.run([sys.executable, *cmd], env=on_gpu(i), cwd=ROOT, capture_output=True)
         if p.returncode != 0:
             v["eval_error"] = p.stderr.decode()[-2000:]
-            continue
+            return
         ev = json.loads(res.read_text())
         v["tau_code"] = ev["mean_acceptance_length"]
         v["acceptance_rate_per_position"] = ev["acceptance_rate_per_position"]
@@ -156,7 +174,17 @@ def main(argv: list[str] | None = None) -> int:
         ship_folder(out / "drafters" / name, out / "ship" / name)
         print(f"== {name}: tau {v['tau_code']:.3f} after {v.get('train_steps')} steps",
               flush=True)
-        save()
+
+    # NOTE: one engine per GPU at a time: each sizes its KV cache from the free GPU memory.
+    by_gpu: dict[int, list[tuple[int, str]]] = {}
+    for i, name in enumerate(names):
+        by_gpu.setdefault(0 if a.smoke else i % gpus, []).append((i, name))
+    with ThreadPoolExecutor(len(by_gpu)) as pool:
+        list(pool.map(lambda jobs: [evaluate(i, n) for i, n in jobs], by_gpu.values()))
+    scored = {n: v["tau_code"] for n, v in record["variants"].items() if "tau_code" in v}
+    if scored:
+        record["best"] = max(scored, key=scored.get)
+        (out / "best.txt").write_text(record["best"] + "\n")
     save()
     return 0
 

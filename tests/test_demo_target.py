@@ -256,3 +256,30 @@ def test_build_demo_pair_smoke(tmp_path):
     assert again["stages"]["target"] == {"reused": str(tmp_path / "pair" / "target")}
     assert "tokenizer" not in again["stages"] and again["drafter"]["bytes"] > 0
     assert again["target"]["params"] == record["target"]["params"]
+
+
+def test_drafter_sweep_smoke(tmp_path):
+    """The recipe sweep (benchmarks/drafter_sweep.py) against the tiny target built here."""
+    spec = importlib.util.spec_from_file_location("drafter_sweep",
+                                                  ROOT / "benchmarks" / "drafter_sweep.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    build = importlib.util.spec_from_file_location("build_demo_pair",
+                                                   ROOT / "benchmarks" / "build_demo_pair.py")
+    bmod = importlib.util.module_from_spec(build)
+    build.loader.exec_module(bmod)
+    bmod.build(tmp_path / "pair", profile="smoke")
+    assert mod.main(["--out", str(tmp_path / "sw"), "--smoke", "--target",
+                     str(tmp_path / "pair" / "target"), "--variants", "base,init,l3init"]) == 0
+    rec = json.loads((tmp_path / "sw" / "sweep.json").read_text())
+    assert rec["best"] in ("base", "init") and rec["gen_rows"] == 8
+    for name in ("base", "init"):
+        v = rec["variants"][name]
+        assert v["train_rc"] == 0 and v["tau_code"] >= 1.0 and v["train_steps"] == 2
+        cfg = json.loads((tmp_path / "sw" / "ship" / name / "config.json").read_text())
+        assert cfg["num_hidden_layers"] == 1 and cfg["torch_dtype"] == "bfloat16"
+    # 3 drafter layers cannot copy the 2-layer smoke target's: that variant fails, alone
+    failed = rec["variants"]["l3init"]
+    assert failed["train_rc"] != 0 and "tau_code" not in failed
+    assert mod._override(["--lr", "1", "--x"], ["--lr", "2", "--y"]) == ["--lr", "2", "--x",
+                                                                         "--y"]

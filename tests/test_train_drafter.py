@@ -43,10 +43,14 @@ def test_block_mask_matches_recipe():
     assert mask[3, 9] and mask[0, 9 + 3]  # bidirectional inside a block
 
 
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("backend", ["dense", "flex"])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 2), (3, 3), (6, 2)])
-def test_block_sparse_attention_equals_masked_sdpa(heads, kv_heads):
+def test_block_sparse_attention_equals_masked_sdpa(heads, kv_heads, backend, monkeypatch):
+    from blockspec.train import drafter_forward
     from blockspec.train.drafter_forward import block_sparse_attention
 
+    monkeypatch.setitem(drafter_forward._BACKEND, "name", backend)
     torch.manual_seed(heads)
     bsz, ctx_len, d = 4, 13, 8
     anchors = torch.tensor([[1, 5, 6, 9], [2, 3, 8, 9]])  # two sequences, own contexts
@@ -63,6 +67,26 @@ def test_block_sparse_attention_equals_masked_sdpa(heads, kv_heads):
             attn_mask=block_attention_mask(anchors[s], bsz, ctx_len), scale=d**-0.5,
             enable_gqa=heads != kv_heads).transpose(0, 1)
         torch.testing.assert_close(ours[s], ref, rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(),
+                    reason="FlexAttention has no CPU backward (the trainer runs this check on "
+                           "CUDA before it uses flex)")
+def test_flex_backend_gradients_equal_dense():
+    from blockspec.train.drafter_forward import check_flex
+
+    assert check_flex(torch.device("cuda")) < 1e-3
+
+
+def test_attention_backend_choice(tmp_path, qwen3_path, greedy_corpus):
+    from blockspec.train.drafter_forward import set_attention_backend
+
+    with pytest.raises(ValueError, match="dense or flex"):
+        set_attention_backend("flash")
+    if not torch.cuda.is_available():
+        assert Trainer(_args(qwen3_path, greedy_corpus, tmp_path / "a")).attention == "dense"
+        with pytest.raises(ConfigError, match="needs a CUDA device"):
+            Trainer(_args(qwen3_path, greedy_corpus, tmp_path / "b", attention="flex"))
 
 
 def test_sample_anchors_leave_room_for_labels():

@@ -39,6 +39,9 @@ def add_train_parser(subparsers: Any) -> None:
                     help="end training after this many seconds (the LR schedule anneals to it)")
     tr.add_argument("--mask-token-id", type=int, default=None)
     tr.add_argument("--target-layer-ids", type=int, nargs="+", default=None)
+    tr.add_argument("--attention", choices=["auto", "flex", "dense"], default="auto",
+                    help="training attention: flex (FlexAttention, CUDA), dense; auto: flex on "
+                         "CUDA if it matches dense on a check problem")
     tr.add_argument("--init-from-target", action="store_true",
                     help="start the drafter layers as copies of the target's last layers")
     tr.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")

@@ -82,6 +82,77 @@ def _attention(layer: DraftLayer, x: torch.Tensor, ctx: torch.Tensor, q_pos: tor
 def block_sparse_attention(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor,
                            k_blk: torch.Tensor, v_blk: torch.Tensor, anchors: torch.Tensor,
                            scale: float) -> torch.Tensor:
+    """Attention under `block_attention_mask` (shapes: `dense_block_attention`): FlexAttention
+    where enabled (`set_attention_backend`), else the dense path."""
+    if _BACKEND["name"] == "flex":
+        return flex_block_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, scale)
+    return dense_block_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, scale)
+
+
+# NOTE: process-wide, set once by the trainer: "dense" (the default, any device) or "flex".
+_BACKEND: dict[str, object] = {"name": "dense", "compiled": None}
+
+
+def set_attention_backend(name: str) -> None:
+    if name not in ("dense", "flex"):
+        raise ValueError(f"attention backend must be dense or flex, got {name!r}")
+    _BACKEND["name"] = name
+
+
+def flex_block_attention(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor,
+                         k_blk: torch.Tensor, v_blk: torch.Tensor, anchors: torch.Tensor,
+                         scale: float) -> torch.Tensor:
+    """The same attention with FlexAttention: keys [context ; every block], a block mask that
+    skips the tiles no query sees (most of the block-diagonal part, the context past the last
+    anchor of a tile), one fused kernel forward and backward (compiled on CUDA; the unfused
+    reference elsewhere, for tests)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    seqs, nb, nh, d = q.shape
+    ctx_len = k_ctx.shape[1]
+    bsz = nb // anchors.shape[1]
+
+    def visible(b: torch.Tensor, h: torch.Tensor, qi: torch.Tensor, kv: torch.Tensor
+                ) -> torch.Tensor:
+        blk = qi // bsz
+        return torch.where(kv < ctx_len, kv < anchors[b, blk], (kv - ctx_len) // bsz == blk)
+
+    cuda = q.is_cuda
+    mask = create_block_mask(visible, seqs, None, nb, ctx_len + nb, device=q.device,
+                             _compile=cuda)
+    k = torch.cat([k_ctx, k_blk], dim=1).transpose(1, 2)
+    v = torch.cat([v_ctx, v_blk], dim=1).transpose(1, 2)
+    fn = flex_attention
+    if cuda:
+        if _BACKEND["compiled"] is None:
+            _BACKEND["compiled"] = torch.compile(flex_attention, dynamic=False)
+        fn = _BACKEND["compiled"]
+    out = fn(q.transpose(1, 2), k, v, block_mask=mask, scale=scale, enable_gqa=nh != k.shape[1])
+    return out.transpose(1, 2)
+
+
+def check_flex(device: torch.device) -> float:
+    """Max abs difference between flex and dense outputs and input gradients on a small random
+    problem (fp32, GQA, ragged anchors): the trainer uses flex only where this is small."""
+    gen = torch.Generator().manual_seed(0)
+    bsz, ctx_len, d, heads, kv_heads = 16, 300, 64, 6, 2
+    anchors = torch.stack([torch.randperm(ctx_len - bsz, generator=gen)[:20].sort().values + 1
+                           for _ in range(2)]).to(device)
+    nb = anchors.shape[1] * bsz
+    shapes = [(2, nb, heads, d), (2, ctx_len, kv_heads, d), (2, ctx_len, kv_heads, d),
+              (2, nb, kv_heads, d), (2, nb, kv_heads, d)]
+    inputs = [torch.randn(sh, generator=gen).to(device).requires_grad_() for sh in shapes]
+    results = []
+    for fn in (dense_block_attention, flex_block_attention):
+        out = fn(*inputs, anchors, d**-0.5)
+        grads = torch.autograd.grad((out * out.detach().cos()).sum(), inputs)
+        results.append([out.detach(), *grads])
+    return max((a - b).abs().max().item() for a, b in zip(*results))
+
+
+def dense_block_attention(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor,
+                          k_blk: torch.Tensor, v_blk: torch.Tensor, anchors: torch.Tensor,
+                          scale: float) -> torch.Tensor:
     """Attention under `block_attention_mask`, per sequence, without materialising the mask.
 
     q, k_blk, v_blk: [S, N*B, heads, d] (blocks in anchor order); k_ctx, v_ctx: [S, L, kv_heads,

@@ -18,24 +18,27 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 from tqdm.auto import tqdm
 
-from blockspec.config import ConfigError, ModelConfig
-from blockspec.spec.checkpoint import new_drafter_config, save_drafter
-from blockspec.spec.dflash import DFlashDrafter
+from blockspec.config import ConfigError
+from blockspec.spec.checkpoint import save_drafter
+from blockspec.train import drafter_forward
 from blockspec.train.drafter_data import load_sequences
 from blockspec.train.drafter_forward import (
     acceptance_length,
     block_inputs,
+    check_flex,
     default_gamma,
     position_weights,
     sample_anchors,
     train_forward,
     weighted_loss,
 )
+from blockspec.train.drafter_setup import FrozenTarget, init_drafter
 
 STATE_FILE = "training_state.pt"
+# Flex vs dense on the fp32 check problem (values and gradients are O(1)); a mask error is O(0.1).
+FLEX_TOLERANCE = 2e-2
 
 
 @dataclass
@@ -67,96 +70,9 @@ class TrainArgs:
     mask_token_id: int | None = None
     target_layer_ids: list[int] | None = None
     init_from_target: bool = False  # start the drafter layers as copies of the target's last ones
+    attention: str = "auto"  # training attention: flex (CUDA), dense, auto (flex if it checks out)
     quiet: bool = False
     history: list[dict[str, float]] = field(default_factory=list)  # filled by train()
-
-
-class FrozenTarget:
-    """The HF target, frozen: tapped hidden states, embeddings and lm_head.
-
-    NOTE: taps are HF `hidden_states[id + 1]` (the output of decoder layer `id`; for the last
-    layer HF gives it after the final norm), exactly what the engine feeds the drafter."""
-
-    def __init__(self, path: str, layer_ids: list[int], device: torch.device) -> None:
-        from transformers import AutoModelForCausalLM
-
-        # bf16 on CUDA (the drafter trains under bf16 autocast anyway), exact fp32 on CPU.
-        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        try:
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"could not load target {path!r}: {e}") from None
-        self.model = model.to(device).eval().requires_grad_(False)
-        self.embed: nn.Module = model.get_input_embeddings()
-        self.lm_head: nn.Module = model.get_output_embeddings()
-        self.layer_ids = layer_ids
-
-    @torch.no_grad()
-    def features(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [L] or [S, L] (equal lengths, no padding) -> concatenated taps [(S,) L,
-        n_taps*H] (config order), fp32."""
-        ids = tokens[None] if tokens.dim() == 1 else tokens
-        out = self.model.get_decoder()(input_ids=ids, use_cache=False, output_hidden_states=True)
-        # NOTE: fp32 features and embeddings keep the drafter's residual stream in fp32; autocast
-        # still runs its matmuls in bf16 on CUDA.
-        taps = torch.cat([out.hidden_states[i + 1] for i in self.layer_ids], dim=-1).float()
-        return taps[0] if tokens.dim() == 1 else taps
-
-
-def init_drafter(target_path: str, args: TrainArgs, tokenizer: Any,
-                 device: torch.device) -> DFlashDrafter:
-    target_cfg = ModelConfig.from_pretrained(target_path)
-    mask = args.mask_token_id
-    if mask is None:
-        mask = getattr(tokenizer, "mask_token_id", None)
-        if mask is None:
-            mask = tokenizer.convert_tokens_to_ids("<|mask|>")
-            mask = None if mask == tokenizer.unk_token_id else mask
-    if mask is None:
-        raise ConfigError("the tokenizer has no mask token; pass --mask-token-id")
-    if args.max_len > target_cfg.max_position_embeddings:
-        raise ConfigError(f"--max-len {args.max_len} exceeds the target's "
-                          f"max_position_embeddings {target_cfg.max_position_embeddings}")
-    cfg = new_drafter_config(target_cfg, args.num_layers, args.block_size, int(mask),
-                             args.target_layer_ids)
-    cfg.validate_pair(target_cfg)
-    with torch.device(device):
-        drafter = DFlashDrafter(cfg).float()
-    with torch.no_grad():
-        for name, p in drafter.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02)
-    if args.init_from_target:
-        copy_target_layers(drafter, target_path)
-    return drafter
-
-
-def copy_target_layers(drafter: DFlashDrafter, target_path: str) -> None:
-    """Drafter layer i <- target layer (n - num_layers + i): the same Qwen3 layer shapes. The
-    fc / hidden_norm / final norm keep their fresh init.
-
-    NOTE: a warm start only; the drafter's layers see [context ; block] K/V, not the target's
-    inputs, so training still has to adapt them."""
-    from safetensors import safe_open
-
-    from blockspec.models.loader import copy_weight, safetensors_files
-
-    cfg = drafter.config
-    offset = cfg.num_target_layers - cfg.geometry.num_hidden_layers
-    if offset < 0:
-        raise ConfigError("--init-from-target needs a drafter with no more layers than the target")
-    params = dict(drafter.named_parameters())
-    with torch.no_grad():
-        for file in safetensors_files(target_path):
-            with safe_open(str(file), framework="pt") as f:
-                for name in f.keys():
-                    parts = name.split(".")
-                    if parts[:2] != ["model", "layers"] or int(parts[2]) < offset:
-                        continue
-                    mine = ".".join(["layers", str(int(parts[2]) - offset), *parts[3:]])
-                    copy_weight(drafter, mine, f.get_tensor(name).float(), params)
 
 
 def total_steps(args: TrainArgs, n_train: int) -> int:
@@ -205,6 +121,7 @@ class Trainer:
         if not (Path(args.target) / "config.json").is_file():
             raise ConfigError(f"target {args.target!r} is not a model folder (no config.json)")
         torch.manual_seed(args.seed)
+        self.attention = self.pick_attention(args.attention)
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(args.target)
         except (OSError, ValueError) as e:
@@ -225,6 +142,29 @@ class Trainer:
         self.elapsed = 0.0  # training seconds so far (resume keeps counting)
         if args.resume:
             self.load_state(args.resume)
+
+    def pick_attention(self, wanted: str) -> str:
+        """FlexAttention (fused, block-sparse) on CUDA when its outputs and gradients match the
+        dense path on a check problem; dense otherwise (CPU: flex has no CPU backward)."""
+        if wanted not in ("auto", "flex", "dense"):
+            raise ConfigError(f"--attention must be auto, flex or dense, got {wanted!r}")
+        if wanted == "dense" or (wanted == "auto" and self.device.type != "cuda"):
+            return "dense"
+        if self.device.type != "cuda":
+            raise ConfigError("--attention flex needs a CUDA device (no CPU backward)")
+        try:
+            err = check_flex(self.device)
+        except Exception as e:  # noqa: BLE001 - any compile/runtime failure means: use dense
+            err, why = float("inf"), repr(e)[:300]
+        else:
+            why = f"max abs difference {err:.2e} from the dense path"
+        if err > FLEX_TOLERANCE:
+            if wanted == "flex":
+                raise ConfigError(f"flex attention failed its check: {why}")
+            print(f"train-drafter: flex attention failed its check ({why}); using dense",
+                  flush=True)
+            return "dense"
+        return "flex"
 
     def autocast(self) -> Any:
         return torch.autocast("cuda", dtype=torch.bfloat16,
@@ -292,6 +232,7 @@ class Trainer:
                 for i in batch_indices(self.step, a.batch_size, len(self.train_seqs), a.seed)]
         self.opt.zero_grad(set_to_none=True)
         total = torch.zeros((), device=self.device)
+        drafter_forward.set_attention_backend(self.attention)
         for share, _ in self.batch_losses(seqs, a.anchors_per_seq, gen):
             (share / len(seqs)).backward()
             total += share.detach() / len(seqs)  # NOTE: no host sync per pass
@@ -304,6 +245,8 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         """Held-out loss and greedy acceptance length tau (fixed anchors: comparable over time)."""
         self.drafter.eval()
+        # NOTE: dense for the small no-grad eval passes: no compile for their shapes.
+        drafter_forward.set_attention_backend("dense")
         gen = torch.Generator().manual_seed(12345)
         loss, taus = 0.0, []
         seqs = self.eval_seqs
