@@ -72,9 +72,9 @@ def plain_heavy_run(qwen3_path, drafter16, prompts, ar_ref, kv: dict, defer: boo
     r.steps[1].defer_context = defer
     overflows, stage = [], r.staging.stage
 
-    def counted(taps, seqs):
-        overflows.append(len(r.staging) + len(seqs) > r.staging.capacity)
-        stage(taps, seqs)
+    def counted(taps, positions, blocks):
+        overflows.append(len(r.staging) + len(positions) > r.staging.capacity)
+        stage(taps, positions, blocks)
 
     r.staging.stage = counted
     seen = record_drafter(llm)

@@ -17,10 +17,10 @@ sequence's context, and never leaves a hole in a block that still holds the row'
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from blockspec.engine.kv_cache import BlockManager
-from blockspec.engine.sequence import Sequence
 from blockspec.spec.proposer import DFlashProposer
 
 # Staging capacity in full-batch plain steps: the write is then one GEMM over up to
@@ -33,7 +33,10 @@ def staging_rows(max_num_seqs: int) -> int:
 
 
 class ContextStaging:
-    """Device rows of staged taps plus, on the host, where each row's context K/V go."""
+    """Device rows of staged taps plus, on the host, where each row's context K/V go.
+
+    NOTE: the host side is numpy arrays, one chunk per staged step: a plain step at a large
+    batch must add ~no host time (the engine syncs every step, so host time is step time)."""
 
     def __init__(self, proposer: DFlashProposer, block_manager: BlockManager, trash_block: int,
                  capacity: int, width: int, dtype: torch.dtype, device: torch.device) -> None:
@@ -41,9 +44,8 @@ class ContextStaging:
         self.bm = block_manager
         self.trash_block = trash_block
         self.taps = torch.zeros(capacity, width, dtype=dtype, device=device)
-        self.blocks: list[int] = []
-        self.generations: list[int] = []
-        self.positions: list[int] = []
+        self._chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # blocks, gens, pos
+        self._rows = 0
         self.num_flushes = 0  # batched writes so far (tests, benchmarks)
 
     @property
@@ -51,36 +53,49 @@ class ContextStaging:
         return self.taps.shape[0]
 
     def __len__(self) -> int:
-        return len(self.positions)
+        return self._rows
 
-    def stage(self, taps: torch.Tensor, seqs: list[Sequence]) -> None:
-        """Stage the taps of a plain step over `seqs` (row i: seqs[i]'s token at its
-        num_computed_tokens, whose target K/V the step wrote). Call before the next replay
-        overwrites the graph's output."""
-        n = len(seqs)
+    def _column(self, i: int) -> np.ndarray:
+        if not self._chunks:
+            return np.zeros(0, dtype=np.int64)
+        return np.concatenate([c[i] for c in self._chunks])
+
+    @property
+    def blocks(self) -> np.ndarray:
+        return self._column(0)
+
+    @property
+    def generations(self) -> np.ndarray:
+        return self._column(1)
+
+    @property
+    def positions(self) -> np.ndarray:
+        return self._column(2)
+
+    def stage(self, taps: torch.Tensor, positions: np.ndarray, blocks: np.ndarray) -> None:
+        """Stage the taps of a plain step: row i is the token at `positions[i]` (its sequence's
+        num_computed_tokens, whose target K/V the step wrote), in KV block `blocks[i]`. Call
+        before the next replay overwrites the graph's output."""
+        n = len(positions)
         if n > self.capacity:
             raise ValueError(f"{n} rows do not fit a staging of {self.capacity}")
         if len(self) + n > self.capacity:
             self.flush()
-        start = len(self)
-        self.taps[start:start + n].copy_(taps[:n])
-        bs = self.bm.block_size
-        for seq in seqs:
-            pos = seq.num_computed_tokens
-            block = seq.block_table[pos // bs]
-            self.blocks.append(block)
-            self.generations.append(self.bm.generation[block])
-            self.positions.append(pos)
+        self.taps[self._rows:self._rows + n].copy_(taps[:n])
+        self._push(blocks, positions)
 
     def stage_placeholders(self, blocks: list[int], positions: list[int]) -> None:
         """Stage zero taps at (block, position) pairs, for the cost profile to time a flush
         (at engine start, when every block is free)."""
         if len(self) + len(blocks) > self.capacity:
             raise ValueError(f"{len(blocks)} rows do not fit the staging")
-        self.taps[len(self):len(self) + len(blocks)].zero_()
-        self.blocks += blocks
-        self.generations += [self.bm.generation[b] for b in blocks]
-        self.positions += positions
+        self.taps[self._rows:self._rows + len(blocks)].zero_()
+        self._push(np.asarray(blocks, dtype=np.int64), np.asarray(positions, dtype=np.int64))
+
+    def _push(self, blocks: np.ndarray, positions: np.ndarray) -> None:
+        blocks = blocks.astype(np.int64, copy=False)
+        self._chunks.append((blocks, self.bm.generation[blocks], positions))
+        self._rows += len(blocks)
 
     def flush(self) -> None:
         """Write every staged row's drafter context K/V (trash for rows whose block was handed
@@ -88,14 +103,13 @@ class ContextStaging:
         m = len(self)
         if not m:
             return
-        bs, gen = self.bm.block_size, self.bm.generation
-        slots = [(b if gen[b] == g else self.trash_block) * bs + p % bs
-                 for b, g, p in zip(self.blocks, self.generations, self.positions)]
+        bs = self.bm.block_size
+        blocks, gens, positions = self.blocks, self.generations, self.positions
+        live = self.bm.generation[blocks] == gens
+        slots = np.where(live, blocks, self.trash_block) * bs + positions % bs
         dev = self.taps.device
-        self.proposer.write_context(
-            self.taps[:m], torch.tensor(self.positions, dtype=torch.int64, device=dev),
-            torch.tensor(slots, dtype=torch.int64, device=dev))
-        self.blocks.clear()
-        self.generations.clear()
-        self.positions.clear()
+        self.proposer.write_context(self.taps[:m], torch.from_numpy(positions).to(dev),
+                                    torch.from_numpy(slots).to(dev))
+        self._chunks.clear()
+        self._rows = 0
         self.num_flushes += 1

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+import numpy as np
+
 from blockspec.engine.sequence import Sequence
 
 
@@ -34,7 +36,7 @@ class BlockManager:
         # NOTE: bumped each time `allocate` hands a block out afresh (its old content is dead); a
         # block revived from the prefix cache keeps it (same tokens, same K/V). Deferred writes
         # for a block are valid only while its generation is the one they were staged under.
-        self.generation = [0] * num_blocks
+        self.generation = np.zeros(num_blocks, dtype=np.int64)
         self.num_prefix_hits = 0  # blocks reused from the cache, for metrics
 
     @property

@@ -180,8 +180,8 @@ class ModelRunner(MixedStepMixin):
             tables[i, :len(seq.block_table)] = seq.block_table
         bufs.last_tokens[:n].copy_(torch.tensor([s.token_at(s.num_tokens - 1) for s in seqs]),
                                    non_blocking=True)
-        bufs.ctx_lens[:n].copy_(torch.tensor([s.num_computed_tokens for s in seqs]),
-                                non_blocking=True)
+        ctx = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=n)
+        bufs.ctx_lens[:n].copy_(torch.from_numpy(ctx), non_blocking=True)
         bufs.block_tables[:n].copy_(torch.from_numpy(tables), non_blocking=True)
         if self.synthetic is not None and q > 1:
             bufs.uniforms.uniform_(generator=self.default_generator)
@@ -195,7 +195,8 @@ class ModelRunner(MixedStepMixin):
             out = step(bufs, n)
         if out.taps is not None:
             # NOTE: now, before the next replay overwrites the graph's output.
-            self.staging.stage(out.taps, seqs)
+            self.staging.stage(out.taps, ctx,
+                               tables[np.arange(n), ctx // self.bm.block_size])
         params = [s.params for s in seqs]
         target = out.target_tokens[:n]
         logits = out.logits[:n * q]
