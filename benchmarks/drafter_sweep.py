@@ -39,6 +39,7 @@ VARIANTS: dict[str, list[str]] = {
     "l1": ["--num-layers", "1"],
     "l3": ["--num-layers", "3"],
     "l4": ["--num-layers", "4"],
+    "l4init": ["--num-layers", "4", "--init-from-target"],
 }
 
 
@@ -72,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gen-samples", type=int, default=32768)
     ap.add_argument("--gen-seconds", type=int, default=90)
     ap.add_argument("--train-seconds", type=int, default=300)
+    ap.add_argument("--corpus-mb", type=float, default=120, help="corpus size (prompt source)")
     ap.add_argument("--gpus", type=int, default=None, help="default: every visible GPU")
     ap.add_argument("--smoke", action="store_true")
     a = ap.parse_args(argv)
@@ -111,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
 
     corpus = out / "corpus"
     run("corpus", ["-m", "blockspec.train.corpus", "--out", str(corpus),
-                   *(["--max-mb", "0.4"] if a.smoke else ["--all-permissive", "--max-mb", "120"])])
+                   *(["--max-mb", "0.4"] if a.smoke else
+                     ["--all-permissive", "--max-mb", str(a.corpus_mb)])])
     gen = ["--prompt-tokens", "64", "--max-tokens", "256", "--max-num-seqs", "512",
            "--time-budget-s", str(a.gen_seconds)]
     if a.smoke:
