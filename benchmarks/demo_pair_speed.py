@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from fast_path import timed_generate  # noqa: E402
+from fast_path import git_commit, merge_latest, timed_generate  # noqa: E402
 
 from blockspec import LLM  # noqa: E402
 from blockspec.demo import demo_drafter, demo_target  # noqa: E402
@@ -68,7 +68,7 @@ def main() -> int:
         "torch": torch.__version__,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "prompts": "benchmarks/prompts/code.jsonl (cycled to C)", "output_len": a.output_len,
-        "target": target, "drafter": drafter, "ar": {}, "dflash": {},
+        "target": target, "drafter": drafter, "commit": git_commit(), "ar": {}, "dflash": {},
     }
     tokens: dict = {}
     configs = (("ar", None, "fixed"), ("dflash", drafter, "fixed"),
@@ -103,6 +103,10 @@ def main() -> int:
             print(f"C={c} {name}: speculative/AR = {sp['speedup_vs_ar']:.2f}x, identical "
                   f"sequences {sp['sequences_equal_ar']}/{c}", flush=True)
     (out / "demo_pair_speed.json").write_text(json.dumps(res, indent=1) + "\n")
+    if a.device == "cuda" and a.target is None and a.draft is None:
+        # Headline figures describe the shipped pair only (fixed block 16, as the issue asks).
+        merge_latest(res, {f"demo_speedup_c{c}": round(res["dflash"][f"C={c}"]["speedup_vs_ar"], 3)
+                           for c in (1, 32) if c in levels}, out / "latest.json")
     return 0
 
 

@@ -29,6 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from build_demo_pair import CODE_PROMPTS, PROFILES, ROOT, ship_folder  # noqa: E402
+from fast_path import git_commit  # noqa: E402
 
 # Overrides of the demo recipe's drafter arguments (build_demo_pair.PROFILES["full"]).
 VARIANTS: dict[str, list[str]] = {
@@ -93,7 +94,8 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "python": platform.python_version(), "torch": torch.__version__,
-        "target": a.target, "gpus": 0 if a.smoke else gpus, "stages": {}, "variants": {},
+        "target": a.target, "gpus": 0 if a.smoke else gpus, "commit": git_commit(),
+        "stages": {}, "variants": {},
     }
 
     def on_gpu(i: int) -> dict:
@@ -146,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         log = (out / f"train_{name}.log").open("w")
         procs[name] = (subprocess.Popen([sys.executable, *cmd], env=on_gpu(i), cwd=ROOT,
                                         stdout=log, stderr=subprocess.STDOUT), log)
+    save()  # NOTE: the commands are on record even if the call's time runs out mid-training
     for name, (p, log) in procs.items():
         rc = p.wait()
         log.close()

@@ -47,7 +47,11 @@ INPUT_LEN, OUTPUT_LEN = 512, 256
 
 def git_commit() -> str:
     """HEAD, marked when the working tree differs from it (then HEAD alone does not say what ran;
-    the device tool's copy of the tree may also carry a stale .git)."""
+    the device tool's copy of the tree may also carry a stale .git). A snapshot made with
+    `git archive` has no .git: write `git rev-parse HEAD` to its SNAPSHOT_COMMIT file."""
+    snap = Path(__file__).resolve().parents[1] / "SNAPSHOT_COMMIT"
+    if snap.is_file():
+        return snap.read_text().strip() + " (git archive snapshot)"
     try:
         run = dict(text=True, stderr=subprocess.DEVNULL)
         head = subprocess.check_output(["git", "rev-parse", "HEAD"], **run).strip()
