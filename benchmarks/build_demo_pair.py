@@ -51,7 +51,7 @@ def _profile(corpus_mb: float, tok_mb: float, target_s: int, samples: int, gen_s
         # from the target's last 4, FlexAttention training on CUDA (--attention auto).
         drafter=["--block-size", "16", "--num-layers", "4", "--init-from-target", "--steps",
                  "100000", "--batch-size", "16", "--max-len", "1024", "--anchor-chunk", "4096",
-                 "--mask-token-id", "3", "--eval-every", "100", "--save-every", "0", "--lr",
+                 "--mask-token-id", "3", "--eval-every", "100", "--save-every", "250", "--lr",
                  "1e-3", "--time-budget-s", str(drafter_s)],
         drafter_budget=drafter_s + 40,
         eval=["--block-size", "16", "--max-tokens", "256"], eval_budget=40,
@@ -75,6 +75,17 @@ PROFILES = {
         eval_budget=30,
     ),
 }
+
+
+# Drafter start-up (target load, flex check and compile), final save and the eval stage.
+DEADLINE_RESERVE_S = 90
+
+
+def _set_flag(args: list[str], flag: str, value: str) -> None:
+    if flag in args:
+        args[args.index(flag) + 1] = value
+    else:
+        args += [flag, value]
 
 
 def _folder_bytes(path: Path) -> int:
@@ -104,11 +115,14 @@ def ship_folder(src: Path, dst: Path) -> None:
 
 
 def build(out: str | Path, smoke: bool = False, profile: str | None = None,
-          ship: str | Path | None = None, reuse_target: str | Path | None = None) -> dict:
+          ship: str | Path | None = None, reuse_target: str | Path | None = None,
+          deadline_s: float | None = None) -> dict:
     """`reuse_target`: an existing target folder (e.g. the shipped one): the tokenizer and target
-    stages are skipped and only the drafter is rebuilt against it (corpus, data, drafter, eval)."""
+    stages are skipped and only the drafter is rebuilt against it (corpus, data, drafter, eval).
+    `deadline_s`: finish within this many seconds: the drafter trains for what the earlier stages
+    leave (at most its profile budget), keeping DEADLINE_RESERVE_S for start-up and the eval."""
     profile = profile or ("smoke" if smoke else "full")
-    plan = PROFILES[profile]
+    plan = {k: list(v) if isinstance(v, list) else v for k, v in PROFILES[profile].items()}
     env = dict(os.environ)
     if profile == "smoke":
         # NOTE: smoke models are tiny; on a small shared CPU extra OpenMP threads only spin
@@ -171,6 +185,14 @@ def build(out: str | Path, smoke: bool = False, profile: str | None = None,
     stage("gen", ["-m", "blockspec.cli", "generate-data", "--model", str(dirs["target"]),
                   "--data", str(dirs["corpus"] / "train.jsonl"), "--out", str(data),
                   *plan["gen"]])
+    if deadline_s is not None:
+        left = deadline_s - (time.perf_counter() - t_all) - DEADLINE_RESERVE_S
+        args = plan["drafter"]
+        budget = float(args[args.index("--time-budget-s") + 1]) if "--time-budget-s" in args \
+            else left
+        seconds = int(max(10, min(budget, left)))
+        _set_flag(args, "--time-budget-s", str(seconds))
+        plan["drafter_budget"] = seconds + 40
     stage("drafter", ["-m", "blockspec.cli", "train-drafter", "--target", str(dirs["target"]),
                       "--data", str(data), "--out", str(dirs["drafter"]), *plan["drafter"]])
     record["drafter"] = {"bytes": _folder_bytes(dirs["drafter"])}
@@ -205,17 +227,17 @@ def main(argv: list[str] | None = None) -> int:
                          "(e.g. blockspec/demo_pair/target)")
     ap.add_argument("--drafter-seconds", type=int, default=None,
                     help="override the profile's drafter time budget")
+    ap.add_argument("--deadline-s", type=float, default=None,
+                    help="finish within this many seconds (e.g. a device call's limit): the "
+                         "drafter trains for what the earlier stages leave")
     a = ap.parse_args(argv)
     profile = "smoke" if a.smoke else a.profile
     if a.drafter_seconds:
         plan = PROFILES[profile]
-        args = plan["drafter"]
-        if "--time-budget-s" in args:
-            args[args.index("--time-budget-s") + 1] = str(a.drafter_seconds)
-        else:
-            args += ["--time-budget-s", str(a.drafter_seconds)]
+        _set_flag(plan["drafter"], "--time-budget-s", str(a.drafter_seconds))
         plan["drafter_budget"] = a.drafter_seconds + 40
-    build(a.out, profile=profile, ship=a.ship, reuse_target=a.reuse_target)
+    build(a.out, profile=profile, ship=a.ship, reuse_target=a.reuse_target,
+          deadline_s=a.deadline_s)
     return 0
 
 

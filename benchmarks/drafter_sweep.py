@@ -44,6 +44,11 @@ VARIANTS: dict[str, list[str]] = {
 }
 
 
+# Trainer start-up (target load, flex check and compile), final eval and save, then one
+# eval-acceptance per GPU: what a deadline keeps back from training.
+DEADLINE_RESERVE_S = 100
+
+
 def _override(args: list[str], extra: list[str]) -> list[str]:
     """`extra` flags replace the same flags in `args` (flags with one value, or switches)."""
     out = list(args)
@@ -75,9 +80,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gen-seconds", type=int, default=90)
     ap.add_argument("--train-seconds", type=int, default=300)
     ap.add_argument("--corpus-mb", type=float, default=120, help="corpus size (prompt source)")
+    ap.add_argument("--deadline-s", type=float, default=None,
+                    help="finish within this many seconds of the start: training gets what the "
+                         "data stage leaves, minus a reserve for start-up and the evals")
     ap.add_argument("--gpus", type=int, default=None, help="default: every visible GPU")
     ap.add_argument("--smoke", action="store_true")
     a = ap.parse_args(argv)
+    t_start = time.perf_counter()
     gpus = max(1, a.gpus or torch.cuda.device_count())
     names = a.variants.split(",")
     unknown = [n for n in names if n not in VARIANTS]
@@ -138,10 +147,15 @@ def main(argv: list[str] | None = None) -> int:
     save()
 
     # All variants at once, each with the same time budget.
+    train_seconds = a.train_seconds
+    if a.deadline_s:
+        left = a.deadline_s - (time.perf_counter() - t_start) - DEADLINE_RESERVE_S
+        train_seconds = max(10, min(train_seconds, int(left)))
+    record["train_seconds"] = train_seconds
     procs = {}
     t0 = time.perf_counter()
     for i, name in enumerate(names):
-        args = _override(_drafter_args(a.smoke, a.train_seconds), VARIANTS[name])
+        args = _override(_drafter_args(a.smoke, train_seconds), VARIANTS[name])
         cmd = ["-m", "blockspec.cli", "train-drafter", "--target", a.target, "--data",
                *map(str, data), "--out", str(out / "drafters" / name), *args]
         record["variants"][name] = {"train_command": cmd, "gpu": i % gpus}

@@ -252,9 +252,12 @@ def test_build_demo_pair_smoke(tmp_path):
     assert saved["total_seconds"] == record["total_seconds"] < 120
     # Drafter only, against the target just built (how a drafter is retrained for the shipped one).
     again = mod.build(tmp_path / "again", profile="smoke",
-                      reuse_target=tmp_path / "pair" / "target")
+                      reuse_target=tmp_path / "pair" / "target", deadline_s=1000)
     assert again["stages"]["target"] == {"reused": str(tmp_path / "pair" / "target")}
     assert "tokenizer" not in again["stages"] and again["drafter"]["bytes"] > 0
+    cmd = again["stages"]["drafter"]["command"]  # the deadline set the drafter's time budget
+    assert 10 <= float(cmd[cmd.index("--time-budget-s") + 1]) < 1000 - mod.DEADLINE_RESERVE_S
+    assert "--time-budget-s" not in mod.PROFILES["smoke"]["drafter"]  # profiles untouched
     assert again["target"]["params"] == record["target"]["params"]
 
 
@@ -270,8 +273,10 @@ def test_drafter_sweep_smoke(tmp_path):
     build.loader.exec_module(bmod)
     bmod.build(tmp_path / "pair", profile="smoke")
     assert mod.main(["--out", str(tmp_path / "sw"), "--smoke", "--target",
-                     str(tmp_path / "pair" / "target"), "--variants", "base,init,l3init"]) == 0
+                     str(tmp_path / "pair" / "target"), "--variants", "base,init,l3init",
+                     "--deadline-s", "900"]) == 0
     rec = json.loads((tmp_path / "sw" / "sweep.json").read_text())
+    assert 10 <= rec["train_seconds"] < 900 - mod.DEADLINE_RESERVE_S
     assert rec["best"] in ("base", "init") and rec["gen_rows"] == 8
     for name in ("base", "init"):
         v = rec["variants"][name]

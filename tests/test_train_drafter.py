@@ -383,3 +383,26 @@ def test_init_from_target_copies_the_last_layers(tmp_path, qwen3_path, greedy_co
     fresh = Trainer(_args(qwen3_path, greedy_corpus, tmp_path / "e", num_layers=2))
     assert not torch.equal(fresh.drafter.layers[0].mlp.down_proj.weight,
                            d.layers[0].mlp.down_proj.weight)
+
+
+def test_sigterm_saves_a_resumable_checkpoint(tmp_path, qwen3_path, greedy_corpus, capsys):
+    import os
+    import signal
+
+    out = tmp_path / "d"
+    trainer = Trainer(_args(qwen3_path, greedy_corpus, out, steps=50, eval_every=0))
+    step = trainer.train_step
+
+    def step_then_term() -> float:
+        loss = step()
+        if trainer.step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)  # as `timeout` does
+        return loss
+
+    trainer.train_step = step_then_term
+    trainer.run()
+    assert trainer.step == 3 and "stopped by signal" in capsys.readouterr().out
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handler restored
+    resumed = Trainer(_args(qwen3_path, greedy_corpus, out, steps=50, eval_every=0,
+                            resume=str(out)))
+    assert resumed.step == 3

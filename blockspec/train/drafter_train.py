@@ -11,6 +11,8 @@ from __future__ import annotations
 import functools
 import math
 import random
+import signal
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -283,28 +285,44 @@ class Trainer:
         self.elapsed = float(state.get("elapsed", 0.0))
 
     def run(self) -> list[dict[str, float]]:
+        """Trains to the end of the run, saving every `save_every` steps and at the end.
+
+        NOTE: SIGTERM (e.g. `timeout`) or Ctrl-C ends the run after the current step with a
+        checkpoint (resumable), so a time-limited job never loses everything it trained."""
         a = self.args
         history = a.history
         bar = tqdm(total=self.steps, initial=self.step, desc="train-drafter", disable=a.quiet)
         postfix: dict[str, float] = {}
         start = time.perf_counter() - self.elapsed
-        while self.progress() < 1.0:
-            loss = self.train_step()
-            self.elapsed = time.perf_counter() - start
-            record = {"step": self.step, "loss": loss, "lr": self.opt.param_groups[0]["lr"]}
-            postfix["loss"] = round(loss, 4)
-            if self.eval_seqs and a.eval_every > 0 and (
-                    self.step % a.eval_every == 0 or self.progress() >= 1.0):
-                ev = self.evaluate()
-                record.update(ev)
-                postfix.update({k: round(v, 4) for k, v in ev.items()})
-            history.append(record)
-            bar.set_postfix(postfix)
-            bar.update(1)
-            if a.save_every > 0 and self.step % a.save_every == 0:
-                self.save()
+        stop: list[int] = []
+        handlers = {}
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                handlers[sig] = signal.signal(sig, lambda num, _frame: stop.append(num))
+        try:
+            while self.progress() < 1.0 and not stop:
+                loss = self.train_step()
+                self.elapsed = time.perf_counter() - start
+                record = {"step": self.step, "loss": loss, "lr": self.opt.param_groups[0]["lr"]}
+                postfix["loss"] = round(loss, 4)
+                if self.eval_seqs and a.eval_every > 0 and (
+                        self.step % a.eval_every == 0 or self.progress() >= 1.0):
+                    ev = self.evaluate()
+                    record.update(ev)
+                    postfix.update({k: round(v, 4) for k, v in ev.items()})
+                history.append(record)
+                bar.set_postfix(postfix)
+                bar.update(1)
+                if a.save_every > 0 and self.step % a.save_every == 0:
+                    self.save()
+        finally:
+            for sig, old in handlers.items():
+                signal.signal(sig, old)
         bar.close()
         self.save()
+        if stop:
+            print(f"train-drafter: stopped by signal {stop[0]} at step {self.step}; saved to "
+                  f"{a.out} (--resume {a.out} continues)", flush=True)
         return history
 
 
