@@ -56,9 +56,11 @@ WARMUP_TOKENS = 8
 class Setup:
     """What differs between the H200 run and the CPU smoke run."""
 
-    def __init__(self, smoke: bool, root: Path, cost_profile: str | None) -> None:
+    def __init__(self, smoke: bool, root: Path, cost_profile: str | None,
+                 lazy_draft_context: bool = False) -> None:
         self.smoke = smoke
         self.cost_profile = cost_profile
+        self.lazy_draft_context = lazy_draft_context
         if smoke:
             from blockspec.spec.checkpoint import build_random_drafter
             from blockspec.tiny import build_tiny_model
@@ -74,7 +76,8 @@ class Setup:
     def llm(self, draft: bool, acceptance: float | None = None) -> LLM:
         spec = dict(draft=str(self.drafter), block_size=16, block_sizes=(4, 8, 16),
                     speculation_policy="adaptive", synthetic_acceptance=acceptance,
-                    benchmark_mode=True, cost_profile=self.cost_profile) if draft else {}
+                    benchmark_mode=True, cost_profile=self.cost_profile,
+                    lazy_draft_context=self.lazy_draft_context) if draft else {}
         if self.smoke:
             return LLM(str(self.target), device="cpu", num_kv_blocks=1024, max_model_len=256,
                        max_num_seqs=64, enable_prefix_caching=False, **spec)
@@ -132,6 +135,9 @@ def main() -> int:
     ap.add_argument("--c1-repeats", type=int, default=None,
                     help="timed runs at C=1 (default --repeats): one sequence's ~40 steps "
                          "leave its synthetic tau a coin toss, more runs pool more draws")
+    ap.add_argument("--lazy-draft-context", action="store_true",
+                    help="the speculative engine skips drafter work in long plain streaks "
+                         "(experimental)")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny random models, < 1 minute")
     args = ap.parse_args()
     if args.repeats < 1 or (args.c1_repeats is not None and args.c1_repeats < 1):
@@ -143,7 +149,7 @@ def main() -> int:
     out_len = args.output_len or (32 if args.smoke else 256)
     accs = [float(a) for a in args.acceptance.split(",")]
     setup = Setup(args.smoke, Path(tempfile.mkdtemp()),
-                  args.cost_profile or ("none" if args.smoke else None))
+                  args.cost_profile or ("none" if args.smoke else None), args.lazy_draft_context)
     res: dict = {
         "benchmark": "policy_sweep (issue 7): adaptive speculation vs plain and fixed blocks, "
                      + ("SMOKE (CPU, tiny random models)" if args.smoke else
@@ -156,6 +162,7 @@ def main() -> int:
         "input_len": setup.input_len, "output_len": out_len, "concurrency": cs,
         "acceptance": accs, "warmup_tokens": WARMUP_TOKENS, "prefix_caching": False,
         "repeats": args.repeats, "c1_repeats": args.c1_repeats or args.repeats,
+        "lazy_draft_context": args.lazy_draft_context,
     }
 
     def reps(c: int) -> int:

@@ -49,6 +49,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="adaptive: each step runs plain decode or one of --block-sizes, "
                         "whichever the measured step costs and live acceptance say commits the "
                         "most tokens per second; fixed: always the max block")
+    d.add_argument("--lazy-draft-context", action="store_true",
+                   help="after a long plain-decode streak skip the drafter's context writes, and "
+                        "catch them up with one target pass before the drafter next runs")
     d.add_argument("--block-sizes", type=block_sizes_arg, default=None, metavar="4,8,16",
                    help="block lengths the adaptive policy may run (each gets CUDA graphs; "
                         "default: 4, 8, 16 up to the max block, plus the max block)")
@@ -79,7 +82,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
         draft=args.draft, block_size=args.block_size,
         speculation_policy=args.speculation_policy, block_sizes=args.block_sizes,
-        cost_profile=args.cost_profile,
+        cost_profile=args.cost_profile, lazy_draft_context=args.lazy_draft_context,
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
         attention_backend=args.attention_backend,
     )
@@ -153,6 +156,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print(f"[blockspec] speculation policy {engine.config.speculation_policy}: decode "
                   f"steps by block length (1 = plain) {spec.block_len_summary()}",
                   file=sys.stderr)
+            lazy = engine.runner.lazy
+            if lazy is not None:
+                print(f"[blockspec] lazy draft context: {lazy.num_detached_steps} detached steps, "
+                      f"{lazy.num_catchups} catch-ups of {lazy.num_catchup_tokens} tokens "
+                      f"({lazy.catchup_seconds * 1e3:.1f} ms)", file=sys.stderr)
     return 0
 
 

@@ -211,6 +211,9 @@ class EngineConfig:
     # Step-cost profile file (adaptive mode). None: a cache file under ~/.cache/blockspec
     # (or $BLOCKSPEC_CACHE), keyed by what changes costs; "none" or "": measure every start.
     cost_profile: str | None = None
+    # With a drafter: after a long plain-decode streak, stop writing the drafter's context
+    # ("detached" mode) and catch it up with one eager target pass before the drafter next runs.
+    lazy_draft_context: bool = False
     attention_backend: str = "auto"  # auto: triton on CUDA, torch on CPU
     # Benchmark-only: accept each draft position with this probability instead of checking it.
     # Output is then NOT the target's; `benchmark_mode=True` must be set to use it.
@@ -263,6 +266,12 @@ class EngineConfig:
         if self.speculation_policy not in ("adaptive", "fixed"):
             raise ConfigError(f"speculation policy must be adaptive or fixed, got "
                               f"{self.speculation_policy!r}")
+        if not isinstance(self.lazy_draft_context, bool):
+            raise ConfigError(f"lazy_draft_context must be true or false, got "
+                              f"{self.lazy_draft_context!r}")
+        if self.lazy_draft_context and self.draft is None:
+            raise ConfigError("lazy draft context defers the drafter's context writes: it needs "
+                              "a draft model")
         if self.block_sizes is None:
             return
         try:

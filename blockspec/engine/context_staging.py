@@ -13,6 +13,9 @@ ones the row was computed from, whether its sequence is still running, finished 
 block may be revived later) or preempted. Otherwise the block may belong to another sequence
 now, and the row goes to the trash block. A flush therefore never writes into another
 sequence's context, and never leaves a hole in a block that still holds the row's tokens.
+
+With lazy_draft_context the runner also hands over each staged step's sequences: a flush then
+advances their `num_draft_ctx_tokens` over the rows it really wrote (`_count_written`).
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import numpy as np
 import torch
 
 from blockspec.engine.kv_cache import BlockManager
+from blockspec.engine.sequence import Sequence
 from blockspec.spec.proposer import DFlashProposer
 
 # Staging capacity in full-batch plain steps: the write is then one GEMM over up to
@@ -46,6 +50,8 @@ class ContextStaging:
         self.taps = torch.zeros(capacity, width, dtype=dtype, device=device)
         self._chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # blocks, gens, pos
         self._rows = 0
+        # Per staged chunk, its sequences (lazy_draft_context only; None: not tracked).
+        self._seqs: list[list[Sequence] | None] = []
         self.num_flushes = 0  # batched writes so far (tests, benchmarks)
 
     @property
@@ -72,9 +78,11 @@ class ContextStaging:
     def positions(self) -> np.ndarray:
         return self._column(2)
 
-    def stage(self, taps: torch.Tensor, positions: np.ndarray, blocks: np.ndarray) -> None:
+    def stage(self, taps: torch.Tensor, positions: np.ndarray, blocks: np.ndarray,
+              seqs: list[Sequence] | None = None) -> None:
         """Stage the taps of a plain step: row i is the token at `positions[i]` (its sequence's
-        num_computed_tokens, whose target K/V the step wrote), in KV block `blocks[i]`. Call
+        num_computed_tokens, whose target K/V the step wrote), in KV block `blocks[i]`; `seqs`
+        (optional): row i's sequence, whose drafter-context count the flush advances. Call
         before the next replay overwrites the graph's output."""
         n = len(positions)
         if n > self.capacity:
@@ -82,7 +90,7 @@ class ContextStaging:
         if len(self) + n > self.capacity:
             self.flush()
         self.taps[self._rows:self._rows + n].copy_(taps[:n])
-        self._push(blocks, positions)
+        self._push(blocks, positions, list(seqs) if seqs is not None else None)
 
     def stage_placeholders(self, blocks: list[int], positions: list[int]) -> None:
         """Stage zero taps at (block, position) pairs, for the cost profile to time a flush
@@ -92,9 +100,11 @@ class ContextStaging:
         self.taps[self._rows:self._rows + len(blocks)].zero_()
         self._push(np.asarray(blocks, dtype=np.int64), np.asarray(positions, dtype=np.int64))
 
-    def _push(self, blocks: np.ndarray, positions: np.ndarray) -> None:
+    def _push(self, blocks: np.ndarray, positions: np.ndarray,
+              seqs: list[Sequence] | None = None) -> None:
         blocks = blocks.astype(np.int64, copy=False)
         self._chunks.append((blocks, self.bm.generation[blocks], positions))
+        self._seqs.append(seqs)
         self._rows += len(blocks)
 
     def flush(self) -> None:
@@ -110,6 +120,28 @@ class ContextStaging:
         dev = self.taps.device
         self.proposer.write_context(self.taps[:m], torch.from_numpy(positions).to(dev),
                                     torch.from_numpy(slots).to(dev))
+        if any(s is not None for s in self._seqs):
+            self._count_written(live)
         self._chunks.clear()
+        self._seqs.clear()
         self._rows = 0
         self.num_flushes += 1
+
+    def _count_written(self, live: np.ndarray) -> None:
+        """Advance each tracked sequence's num_draft_ctx_tokens over its rows just written.
+
+        NOTE: exact only because the runner (lazy mode) flushes before any other write of
+        drafter context: chunks are in step order, so a sequence's rows come in position order,
+        and a row counts only where it extends the sequence's written prefix, in the block the
+        sequence holds there now (not a stale row of a preempted, re-admitted sequence)."""
+        bs, start = self.bm.block_size, 0
+        for (blocks, _, positions), seqs in zip(self._chunks, self._seqs):
+            n = len(blocks)
+            if seqs is not None:
+                for seq, blk, p, ok in zip(seqs, blocks.tolist(), positions.tolist(),
+                                           live[start:start + n].tolist()):
+                    if ok and seq.num_draft_ctx_tokens == p \
+                            and p // bs < len(seq.block_table) \
+                            and seq.block_table[p // bs] == blk:
+                        seq.num_draft_ctx_tokens = p + 1
+            start += n

@@ -132,6 +132,7 @@ class BlockManager:
         seq.block_table = []
         seq.num_hashed_blocks = 0
         seq.num_computed_tokens = 0
+        seq.num_draft_ctx_tokens = 0  # NOTE: a recompute prefill rewrites everything
 
     def _take(self, block: int) -> None:
         if self.ref_counts[block] == 0:

@@ -94,6 +94,8 @@ class LLMEngine:
                 activation = max(activation, peak) + kept
             if not config.enforce_eager:
                 lens = [1, *self.spec_block_lens] if adaptive else [max(self.spec_block_size, 1)]
+                if adaptive and config.lazy_draft_context:
+                    lens.append(1)  # the detached plain step's own graphs
                 activation += graph_output_bytes(lens, graph_buckets(config.max_num_seqs),
                                                  mc.vocab_size, self.dtype)
         num_blocks = decide_num_blocks(config, per_block, activation)

@@ -13,7 +13,7 @@ from blockspec.spec.verify import num_accepted
 
 
 class MixedStepMixin:
-    """Needs from the runner: bm, device, model, model_cfg, proposer, synthetic,
+    """Needs from the runner: bm, device, model, model_cfg, proposer, lazy, synthetic,
     default_generator."""
 
     def _execute_mixed(self, seqs: list[Sequence], num_new_tokens: list[int],
@@ -61,9 +61,12 @@ class MixedStepMixin:
                 torch.tensor(draft_src, device=dev)]
         pos_t = torch.tensor(positions, dtype=torch.int64, device=dev)
         meta = AttentionMetadata.build(q_lens, seq_lens, [s.block_table for s in seqs], slots, dev)
-        taps_ids = self.proposer.target_layer_ids if self.proposer else ()
+        # NOTE: detached (lazy_draft_context): no drafter context now; caught up before the
+        # drafter next runs for these sequences.
+        write = self.proposer is not None and not (self.lazy is not None and self.lazy.detached)
+        taps_ids = self.proposer.target_layer_ids if write else ()
         hidden, taps = self.model(input_ids, pos_t, meta, taps_ids)
-        if self.proposer is not None:
+        if write:
             self.proposer.write_context(taps, pos_t, meta.slot_mapping)
 
         spec_seqs = [seqs[i] for i in spec]

@@ -8,7 +8,8 @@ NOTE: every committed token gets the drafter's context K/V, so the next step may
 speculative and mixed steps write it at their verified positions; an all-plain step (L = 1) only
 stages its taps (`ContextStaging`), written in one batched pass before the drafter next runs (or
 when the staging fills). Whenever the drafter runs, both KV pools hold valid entries for every
-committed token of its sequences.
+committed token of its sequences. With lazy_draft_context, long plain streaks skip the drafter's
+context altogether and it is caught up before the drafter next runs (see `lazy_context`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from blockspec.engine.decode_step import (
     graph_buckets,
 )
 from blockspec.engine.kv_cache import BlockManager
+from blockspec.engine.lazy_context import LazyDraftContext
 from blockspec.engine.mixed_step import MixedStepMixin
 from blockspec.engine.sequence import Sequence
 from blockspec.engine.speculation import SpecController
@@ -84,6 +86,11 @@ class ModelRunner(MixedStepMixin):
             self.staging = ContextStaging(proposer, block_manager, self.trash_block,
                                           staging_rows(config.max_num_seqs), width, dtype,
                                           self.device)
+        self.lazy: LazyDraftContext | None = None
+        if self.staging is not None and config.lazy_draft_context:
+            self.lazy = LazyDraftContext(model, proposer, block_manager, self.staging,
+                                         self.trash_block, config.max_num_batched_tokens,
+                                         max_model_len, self.device)
         self.decode = self.steps[self.max_block]  # the fixed policy's step (and the AR step)
         max_blocks = -(-(max_model_len + self.max_block) // block_manager.block_size)
         self.bufs = StepBuffers.allocate(config.max_num_seqs, max_blocks, self.max_block,
@@ -100,6 +107,9 @@ class ModelRunner(MixedStepMixin):
                 graphed = GraphedDecodeStep(self.steps[L], self.bufs, self.buckets)
                 graphed.capture(pool, stream)
                 self.graphs_by_len[L] = graphed
+            if self.lazy is not None and adaptive:  # the detached plain step, captured last
+                self.lazy.graphs = GraphedDecodeStep(self.lazy.step, self.bufs, self.buckets)
+                self.lazy.graphs.capture(pool, stream)
         self.graphs = self.graphs_by_len.get(self.max_block)  # compat: the max block's graphs
 
         self.controller: SpecController | None = None
@@ -112,6 +122,9 @@ class ModelRunner(MixedStepMixin):
             self.controller = SpecController(
                 self.spec_lens, config.speculation_policy, cost_model,
                 batch_bucket=graphs.bucket_for if graphs is not None else None)
+            if self.lazy is not None:
+                self.lazy.cost_model = cost_model
+                self.controller.set_probe_extra_cost(self.lazy.probe_extra_cost)
 
     # -- benchmark hooks (not serving options) ----------------------------------------------
     def set_policy(self, mode: str, fixed_len: int | None = None) -> None:
@@ -127,6 +140,8 @@ class ModelRunner(MixedStepMixin):
         if self.controller is None:
             raise ConfigError("set_cost_model needs a draft model")
         self.controller.set_cost_model(cost_model)
+        if self.lazy is not None:
+            self.lazy.cost_model = cost_model
 
     def set_synthetic_acceptance(self, a: float) -> None:
         """Change the synthetic acceptance probability of a benchmark-mode engine; captured graphs
@@ -154,7 +169,10 @@ class ModelRunner(MixedStepMixin):
                     for s, n in zip(seqs, num_new_tokens)]
         n_dec = sum(decoding)
         L = 1
+        lazy = self.lazy
         if self.controller is not None and n_dec:
+            if lazy is not None:  # NOTE: the policy may price a probe's catch-up from them
+                lazy.step_seqs, lazy.step_decoding = seqs, decoding
             L = self.controller.choose(n_dec)
         # Tokens verified per decoding sequence: its last token plus L - 1 drafts, cut at the end
         # of the context. Without a drafter, 0: decodes go through the plain paths.
@@ -162,10 +180,16 @@ class ModelRunner(MixedStepMixin):
                  else 0 for s, d in zip(seqs, decoding)]
         if max(blens, default=0) >= 2:
             self.flush_context()  # NOTE: the drafter runs this step: its context must be whole
-        if n_dec == len(seqs) and (self.proposer is None or all(b == L for b in blens)):
+        plain_decode = n_dec == len(seqs) and (self.proposer is None or all(b == L for b in blens))
+        if lazy is not None:
+            lazy.before_step(seqs, blens, L, n_dec, plain_decode and L == 1)
+        if plain_decode:
             res = self._execute_decode(seqs, L)
         else:
             res = self._execute_mixed(seqs, num_new_tokens, blens)
+        if lazy is not None and not lazy.detached \
+                and not (plain_decode and L == 1 and self.steps[1].defer_context):
+            lazy.count_written(seqs, res.advance)  # NOTE: staged rows count when flushed
         res.block_len = L if n_dec else 0
         if self.controller is not None and n_dec:
             self.controller.observe(L, res.drafted, res.accepted)
@@ -175,6 +199,8 @@ class ModelRunner(MixedStepMixin):
         """All sequences decoding with a block of `q`: the fixed-shape (graphable) step."""
         n, bufs = len(seqs), self.bufs
         step, graphs = self.steps[q], self.graphs_by_len.get(q)
+        if q == 1 and self.lazy is not None and self.lazy.detached:
+            step, graphs = self.lazy.step, self.lazy.graphs  # no drafter work at all
         tables = np.full((n, bufs.block_tables.shape[1]), self.trash_block, dtype=np.int32)
         for i, seq in enumerate(seqs):
             tables[i, :len(seq.block_table)] = seq.block_table
@@ -195,8 +221,11 @@ class ModelRunner(MixedStepMixin):
             out = step(bufs, n)
         if out.taps is not None:
             # NOTE: now, before the next replay overwrites the graph's output.
-            self.staging.stage(out.taps, ctx,
-                               tables[np.arange(n), ctx // self.bm.block_size])
+            blocks = tables[np.arange(n), ctx // self.bm.block_size]
+            if self.lazy is None:
+                self.staging.stage(out.taps, ctx, blocks)
+            else:  # the flush counts the rows it writes into their sequences' context
+                self.staging.stage(out.taps, ctx, blocks, seqs)
         params = [s.params for s in seqs]
         target = out.target_tokens[:n]
         logits = out.logits[:n * q]

@@ -57,6 +57,11 @@ class Sequence:
     output_token_ids: list[int] = field(default_factory=list)
     # NOTE: tokens [0, num_computed_tokens) have their K/V in the cache; never past committed.
     num_computed_tokens: int = 0
+    # NOTE: positions [0, num_draft_ctx_tokens) hold valid drafter context K/V (a contiguous
+    # prefix; rows still staged do not count). Kept by the runner with lazy_draft_context only;
+    # 0 after preemption, and 0 on admission even with prefix-cache hits (a revived block may
+    # have been filled while the drafter's context was detached).
+    num_draft_ctx_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     num_hashed_blocks: int = 0  # leading blocks of block_table registered in the prefix cache
     block_hashes: list[int] = field(default_factory=list)

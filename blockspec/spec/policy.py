@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -150,6 +150,9 @@ class SpeculationPolicy:
         self.probe_overhead = float(probe_overhead)
         self._plain_streak = 0
         self._plain_time = 0.0  # modelled seconds spent in the current plain streak
+        # Seconds a probe would add besides its step (batch size -> s), e.g. the drafter-context
+        # catch-up it triggers when the engine skipped those writes (lazy_draft_context).
+        self.probe_extra_cost: Callable[[int], float] | None = None
 
     def rates(self, batch_size: int, tracker: AcceptanceTracker) -> dict[int, float]:
         """Expected committed tokens/s for each candidate (1 and every block length)."""
@@ -186,12 +189,18 @@ class SpeculationPolicy:
         """With `probe_overhead` > 0, a probe also waits until its worst-case extra time (a probe
         that commits one token per sequence, like a plain step) is at most that fraction of the
         time spent in the plain streak: at large batches verification costs several plain steps,
-        so probes there are rarer."""
+        so probes there are rarer. `probe_extra_cost` adds what else the probe pays (asked only
+        once the step's own extra fits the budget)."""
         if not self.probe_overhead:
             return True
+        budget = self.probe_overhead * self._plain_time
         extra = self.cost_model.cost(batch_size, self.block_lens[0]) \
             - self.cost_model.cost(batch_size, 1)
-        return extra <= self.probe_overhead * self._plain_time
+        if extra > budget:
+            return False
+        if self.probe_extra_cost is not None:
+            extra += self.probe_extra_cost(batch_size)
+        return extra <= budget
 
     def explain(self, batch_size: int, tracker: AcceptanceTracker) -> dict[str, Any]:
         """Per-candidate expected rate and tau, plus the argmax (side-effect free)."""

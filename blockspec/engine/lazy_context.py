@@ -1,0 +1,187 @@
+"""Lazy drafter context (`lazy_draft_context`): "detached" plain decoding and the catch-up.
+
+With a drafter, every committed token normally gets its drafter context K/V (written from the
+target's tapped hidden states), so that any later step may draft. When the policy keeps choosing
+plain decode, those writes are pure overhead. After DETACH_AFTER consecutive plain choices the
+runner detaches: plain steps run a decode step built without the drafter (its own CUDA graphs),
+prefill and mixed steps skip the context write, and nothing is staged. Before the drafter next
+runs for a sequence, `catch_up` recomputes its missing context: one eager target pass over the
+tokens [num_draft_ctx_tokens, num_computed_tokens), whose taps are written to the drafter's pool.
+
+NOTE (the invariant): whenever the drafter runs for a sequence, its drafter context is complete
+(num_draft_ctx_tokens == num_computed_tokens). The runner catches up every sequence the drafter
+will see before any step that drafts, whether detached or not (a sequence can keep a gap after
+the engine re-attached: it was not scheduled, or was prefilling, when the catch-up ran).
+
+NOTE: the catch-up's target K/V stores go to the trash block. The real K/V of those tokens are
+in the cache already, and attention reads keys through the block tables after the layer's store
+(qk_norm_rope_store, then PagedAttention.attend), so the pass sees exactly the cached keys.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import torch
+
+from blockspec.engine.context_staging import ContextStaging
+from blockspec.engine.decode_step import DecodeStep, GraphedDecodeStep
+from blockspec.engine.kv_cache import BlockManager
+from blockspec.engine.sequence import Sequence
+from blockspec.layers.attention import AttentionMetadata
+from blockspec.models.qwen3 import CausalLM
+from blockspec.spec.policy import StepCostModel
+from blockspec.spec.proposer import DFlashProposer
+
+# Consecutive plain choices before detaching: a catch-up costs a target pass over every skipped
+# token, so a short plain stretch between speculative steps keeps writing (batched, staged).
+DETACH_AFTER = 64
+
+__all__ = ["DETACH_AFTER", "LazyDraftContext"]
+
+
+class LazyDraftContext:
+    """Detached-mode state, the per-sequence drafter-context counts, and the catch-up pass."""
+
+    def __init__(self, model: CausalLM, proposer: DFlashProposer, block_manager: BlockManager,
+                 staging: ContextStaging, trash_block: int, max_num_batched_tokens: int,
+                 max_model_len: int, device: torch.device) -> None:
+        self.model = model
+        self.proposer = proposer
+        self.bm = block_manager
+        self.staging = staging
+        self.trash_block = trash_block
+        self.max_tokens = max_num_batched_tokens
+        self.device = device
+        # The plain step without drafter work (no taps, no context write); graphs set by the
+        # runner when it captures graphs.
+        self.step = DecodeStep(model, None, 1, block_manager.block_size, max_model_len)
+        self.graphs: GraphedDecodeStep | None = None
+        self.cost_model: StepCostModel | None = None  # the policy's (probe pricing before any
+        # catch-up was measured); set by the runner
+        self.detached = False
+        self.plain_streak = 0  # consecutive steps whose chosen block length was 1
+        # The current step's scheduled sequences and decoding flags (probe pricing).
+        self.step_seqs: list[Sequence] = []
+        self.step_decoding: list[bool] = []
+        # Metrics.
+        self.num_detached_steps = 0
+        self.num_catchups = 0
+        self.num_catchup_tokens = 0
+        self.catchup_seconds = 0.0
+        self.seconds_per_token: float | None = None  # of the last catch-up
+
+    # -- per step -------------------------------------------------------------------------------
+    def before_step(self, seqs: list[Sequence], blens: list[int], block_len: int,
+                    num_decoding: int, plain_decode: bool) -> None:
+        """Decide whether this step runs detached, and make the drafter's context whole where
+        it will run. `plain_decode`: an all-decode step at L = 1 (the one that may stage)."""
+        if max(blens, default=0) >= 2:
+            # NOTE: the drafter sees every sequence with a block (blens >= 1), even one cut to
+            # a single token near the context end: all of them get a complete context.
+            self.staging.flush()
+            self.catch_up([s for s, b in zip(seqs, blens) if b >= 1])
+            self.detached, self.plain_streak = False, 0
+            return
+        if num_decoding:
+            self.plain_streak = self.plain_streak + 1 if block_len == 1 else 0
+        if not self.detached and self.plain_streak > DETACH_AFTER:
+            self.staging.flush()  # NOTE: staged rows are written (and counted) before detaching
+            self.detached = True
+        if self.detached:
+            self.num_detached_steps += 1
+        elif not plain_decode:
+            # NOTE: staged rows are written before this step's direct writes, so a flush counts
+            # rows in position order (see ContextStaging._count_written).
+            self.staging.flush()
+
+    @staticmethod
+    def count_written(seqs: list[Sequence], advance: list[int]) -> None:
+        """After a step that wrote the drafter context of all its fed tokens: each sequence's
+        context grows by the tokens it committed, if it was complete before the step."""
+        for seq, adv in zip(seqs, advance):
+            if seq.num_draft_ctx_tokens == seq.num_computed_tokens:
+                seq.num_draft_ctx_tokens += adv
+
+    # -- probes ---------------------------------------------------------------------------------
+    def pending_tokens(self) -> int:
+        """Tokens the current step's decoding sequences would need caught up to draft."""
+        return sum(s.num_computed_tokens - s.num_draft_ctx_tokens
+                   for s, d in zip(self.step_seqs, self.step_decoding) if d)
+
+    def probe_extra_cost(self, batch_size: int) -> float:
+        """Seconds a probe would add for its catch-up: the last catch-up's seconds per token
+        (before any: a plain step's time per sequence at this batch, from the cost profile; a
+        catch-up token is part of a large prefill, never dearer than a decode token) times the
+        tokens to catch up.
+        NOTE: both the catch-up (~ batch x detached steps tokens) and the probe budget (a
+        fraction of the plain streak's time) grow with the streak, so once detached a probe
+        fits only where a catch-up token costs less than ~probe_overhead of a plain step's
+        per-sequence time: in practice detached engines stop probing."""
+        pending = self.pending_tokens()
+        if not pending:
+            return 0.0
+        per_token = self.seconds_per_token
+        if per_token is None:
+            if self.cost_model is None:
+                return 0.0
+            per_token = self.cost_model.cost(batch_size, 1) / batch_size
+        return per_token * pending
+
+    # -- catch-up -------------------------------------------------------------------------------
+    def catch_up(self, seqs: list[Sequence]) -> None:
+        """Write the missing drafter context of `seqs` (eager, chunked by the step budget)."""
+        todo = [s for s in seqs if s.num_draft_ctx_tokens < s.num_computed_tokens]
+        if not todo:
+            return
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        tokens = 0
+        for chunk in self._chunks(todo):
+            self._forward(chunk)
+            tokens += sum(end - start for _, start, end in chunk)
+        for s in todo:
+            s.num_draft_ctx_tokens = s.num_computed_tokens
+        if cuda:
+            torch.cuda.synchronize()
+        secs = time.perf_counter() - t0
+        self.num_catchups += 1
+        self.num_catchup_tokens += tokens
+        self.catchup_seconds += secs
+        self.seconds_per_token = secs / tokens
+
+    def _chunks(self, seqs: list[Sequence]) -> Iterator[list[tuple[Sequence, int, int]]]:
+        """(sequence, start, end) pieces, at most `max_tokens` tokens per chunk."""
+        chunk: list[tuple[Sequence, int, int]] = []
+        room = self.max_tokens
+        for s in seqs:
+            p = s.num_draft_ctx_tokens
+            while p < s.num_computed_tokens:
+                end = min(s.num_computed_tokens, p + room)
+                chunk.append((s, p, end))
+                room -= end - p
+                p = end
+                if not room:
+                    yield chunk
+                    chunk, room = [], self.max_tokens
+        if chunk:
+            yield chunk
+
+    def _forward(self, chunk: list[tuple[Sequence, int, int]]) -> None:
+        bs, bm, dev = self.bm.block_size, self.bm, self.device
+        ids, positions, ctx_slots, trash_slots = [], [], [], []
+        for s, start, end in chunk:
+            for p in range(start, end):
+                ids.append(s.token_at(p))
+                positions.append(p)
+                ctx_slots.append(bm.slot(s, p))
+                trash_slots.append(self.trash_block * bs + p % bs)
+        meta = AttentionMetadata.build([e - b for _, b, e in chunk], [e for _, _, e in chunk],
+                                       [s.block_table for s, _, _ in chunk], trash_slots, dev)
+        pos = torch.tensor(positions, dtype=torch.int64, device=dev)
+        _, taps = self.model(torch.tensor(ids, dtype=torch.int64, device=dev), pos, meta,
+                             self.proposer.target_layer_ids)
+        self.proposer.write_context(taps, pos, torch.tensor(ctx_slots, device=dev))

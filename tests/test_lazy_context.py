@@ -1,0 +1,244 @@
+"""Lazy drafter context (lazy_draft_context): after DETACH_AFTER plain choices the engine runs no
+drafter work at all, and catches the drafter's context up before it next drafts. Greedy output
+stays the target's; the caught-up drafter pool is what one prefill writes (and would not be
+without the catch-up); the drafter sees the same context as without detaching; the
+per-sequence counts stay exact; detached steps write and stage nothing."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from helpers import assert_no_leaks, random_prompts
+
+from blockspec import LLM, ConfigError, SamplingParams
+from blockspec.cli import build_parser, engine_kwargs
+from blockspec.engine.lazy_context import DETACH_AFTER
+
+GREEDY = SamplingParams(temperature=0, max_tokens=90, ignore_eos=True)
+# Long plain streaks (detaching after 64), speculative steps after them, short streaks too.
+LONG = [1] * 70 + [16] + [1] * 3 + [4] + [1] * 66 + [8]
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return random_prompts([3 + (i * 29) % 70 for i in range(6)], seed=13)
+
+
+@pytest.fixture(scope="module")
+def ar_ref(qwen3_path, prompts):
+    llm = LLM(str(qwen3_path), device="cpu", num_kv_blocks=512)
+    return [o.token_ids for o in llm.generate(prompts, GREEDY)]
+
+
+def spec_llm(qwen3_path, drafter16, **kw) -> LLM:
+    args = dict(device="cpu", num_kv_blocks=512, draft=str(drafter16), cost_profile="none",
+                speculation_policy="fixed", lazy_draft_context=True)
+    return LLM(str(qwen3_path), **{**args, **kw})
+
+
+def force(llm: LLM, cycle: list[int]) -> None:
+    it = itertools.cycle(cycle)
+    llm.engine.runner.controller.choose = lambda n: next(it)
+
+
+def record_drafter(llm: LLM) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    llm.engine.runner.proposer.drafter.register_forward_hook(
+        lambda m, i, o: out.append(o.detach().clone()))
+    return out
+
+
+def check_counts(llm: LLM) -> dict[str, int]:
+    """Wrap execute: before each step every scheduled sequence's count is at most its computed
+    tokens, and whenever the drafter runs, every decoding sequence of the step (all of them
+    draft) has a complete context. Returns counts of mixed steps run attached / detached."""
+    r, execute, mixed = llm.engine.runner, llm.engine.runner.execute, {}
+    step_seqs: list = []
+
+    def checked(seqs, num_new_tokens):
+        assert all(s.num_draft_ctx_tokens <= s.num_computed_tokens for s in seqs)
+        step_seqs[:] = seqs
+        res = execute(seqs, num_new_tokens)
+        if any(s.num_computed_tokens < s.num_tokens - 1 for s in seqs):  # a prefill chunk
+            key = "detached" if r.lazy.detached else "attached"
+            mixed[key] = mixed.get(key, 0) + 1
+        return res
+
+    def complete(module, args):  # NOTE: the invariant
+        for s in step_seqs:
+            if s.num_computed_tokens == s.num_tokens - 1:
+                assert s.num_draft_ctx_tokens == s.num_computed_tokens
+
+    r.execute = checked
+    r.proposer.drafter.register_forward_pre_hook(complete)
+    return mixed
+
+
+@pytest.mark.parametrize("kv", [dict(), dict(num_kv_blocks=12, max_num_batched_tokens=64)],
+                         ids=["roomy", "preempting"])
+def test_greedy_identical_and_drafter_sees_same_context(qwen3_path, drafter16, prompts,
+                                                        ar_ref, kv):
+    """Same forced schedule with and without lazy context (chunked prefill and recompute
+    preemption in the small cache): the target's output, and every drafter forward sees the
+    same context, so drafts and acceptance match."""
+    runs, mixed = [], {}
+    for lazy in (True, False):
+        llm = spec_llm(qwen3_path, drafter16, lazy_draft_context=lazy, **kv)
+        force(llm, LONG)
+        mixed = check_counts(llm) if lazy else mixed
+        seen = record_drafter(llm)
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == ar_ref
+        assert_no_leaks(llm)
+        runs.append((llm, seen))
+    (lazy_llm, lazy_seen), (eager_llm, eager_seen) = runs
+    lz = lazy_llm.engine.runner.lazy
+    assert lz.num_catchups > 0 and lz.num_catchup_tokens > 0 and lz.num_detached_steps > 0
+    assert lz.seconds_per_token > 0
+    assert lazy_llm.engine.spec_stats.block_len_steps == eager_llm.engine.spec_stats \
+        .block_len_steps
+    assert len(lazy_seen) == len(eager_seen) > 0
+    for a, b in zip(lazy_seen, eager_seen):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+    if "num_kv_blocks" in kv:  # recompute prefills, some of them while detached
+        assert lazy_llm.engine.scheduler.num_preemptions > 0 and mixed.get("detached", 0) > 0
+
+
+def reference_context(qwen3_path, drafter16, tokens: list[int]) -> torch.Tensor:
+    ref = spec_llm(qwen3_path, drafter16, lazy_draft_context=False, enable_prefix_caching=False)
+    rid = ref.engine.add_request(tokens + [1], SamplingParams(temperature=0, max_tokens=2))
+    ref.engine.step()  # one prefill of all the tokens
+    seq = ref.engine.requests[rid].seq
+    slots = [ref.engine.block_manager.slot(seq, p) for p in range(len(tokens))]
+    rows = ref.engine.runner.proposer.kv_cache.flatten(2, 3)[:, :, slots].clone()
+    ref.engine.abort(rid)
+    return rows
+
+
+@pytest.mark.parametrize("skip", [False, True], ids=["caught-up", "catch-up-skipped"])
+def test_catch_up_writes_what_a_prefill_writes(qwen3_path, drafter16, skip):
+    """Synthetic acceptance (several tokens per step); detached plain steps, then a
+    speculative step: right after its catch-up the drafter pool holds, for every computed
+    token, what one prefill writes. Skipping the catch-up's writes must break that."""
+    (prompt,) = random_prompts([21], seed=9)
+    llm = spec_llm(qwen3_path, drafter16, synthetic_acceptance=0.7, benchmark_mode=True,
+                   enable_prefix_caching=False)
+    force(llm, [4] * 3 + [1] * (DETACH_AFTER + 10) + [16])
+    r, lz = llm.engine.runner, llm.engine.runner.lazy
+    if skip:
+        lz.catch_up = lambda seqs: None
+    rid = llm.engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=200,
+                                                        ignore_eos=True))
+    seq = llm.engine.requests[rid].seq
+    snapshots = []
+
+    def snap(module, args):  # the drafter is about to run: what context does it see?
+        if lz.num_detached_steps and not snapshots:
+            n = seq.num_computed_tokens
+            slots = [llm.engine.block_manager.slot(seq, p) for p in range(n)]
+            snapshots.append((seq.token_ids()[:n],
+                              r.proposer.kv_cache.flatten(2, 3)[:, :, slots].clone()))
+
+    r.proposer.drafter.register_forward_pre_hook(snap)
+    for _ in range(1 + 3 + DETACH_AFTER + 10 + 1):  # prefill, 4s, plain steps, the 16
+        llm.engine.step()
+    assert lz.num_detached_steps == 10 and not lz.detached and len(snapshots) == 1
+    tokens, got = snapshots[0]
+    want = reference_context(qwen3_path, drafter16, tokens)
+    if skip:
+        assert not torch.allclose(got, want, atol=1e-3, rtol=1e-3)
+    else:
+        assert lz.num_catchups == 1 and lz.num_catchup_tokens == 10
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    llm.engine.abort(rid)
+    assert_no_leaks(llm)
+
+
+def test_detached_steps_run_no_drafter_work(qwen3_path, drafter16, prompts):
+    """Plain steps only: after DETACH_AFTER of them, no context write, no staged row, no
+    drafter forward; before, the plain steps stage and the flush counts them written."""
+    llm = spec_llm(qwen3_path, drafter16)
+    r = llm.engine.runner
+    r.set_policy("fixed", 1)
+    lz, st = r.lazy, r.staging
+    writes, stage, write = [], st.stage, r.proposer.write_context
+    r.proposer.write_context = lambda *a: (writes.append(lz.detached), write(*a))
+    st.stage = lambda *a: (writes.append(lz.detached), stage(*a))
+    drafts = record_drafter(llm)
+    rid = llm.engine.add_request(prompts[1], SamplingParams(temperature=0, max_tokens=120,
+                                                            ignore_eos=True))
+    seq = llm.engine.requests[rid].seq
+    for _ in range(DETACH_AFTER + 1):  # the prefill, then DETACH_AFTER plain steps
+        llm.engine.step()
+    assert not lz.detached and len(st) > 0
+    counted = seq.num_draft_ctx_tokens
+    assert counted < seq.num_computed_tokens  # staged rows are not counted as written
+    llm.engine.step()  # the streak passes DETACH_AFTER: flush, then detach
+    assert lz.detached and len(st) == 0 and lz.num_detached_steps == 1
+    assert seq.num_draft_ctx_tokens == seq.num_computed_tokens - 1  # all but this step's token
+    n_writes = len(writes)
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    assert lz.num_detached_steps == 120 - 1 - DETACH_AFTER
+    assert len(writes) == n_writes and not any(writes) and not drafts
+    assert lz.num_catchups == 0 and len(st) == 0
+    assert_no_leaks(llm)
+
+
+def test_prefix_hit_starts_without_context_and_is_caught_up(qwen3_path, drafter16):
+    """A sequence admitted with prefix-cache blocks starts at 0 drafter-context tokens (the
+    blocks may have been filled while detached); its first drafting step catches all up."""
+    llm = spec_llm(qwen3_path, drafter16)
+    r = llm.engine.runner
+    (a,) = random_prompts([40], seed=4)
+    force(llm, [1])
+    llm.generate([a], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    force(llm, [4])
+    rid = llm.engine.add_request(a + [7, 8], SamplingParams(temperature=0, max_tokens=3,
+                                                            ignore_eos=True))
+    seq = llm.engine.requests[rid].seq
+    llm.engine.step()  # prefill of the uncached tail
+    assert seq.metrics.num_cached_tokens == 32 and seq.num_draft_ctx_tokens == 0
+    llm.engine.step()  # drafts: catch-up of all 42 tokens first
+    assert r.lazy.num_catchup_tokens == 42
+    while llm.engine.has_unfinished():
+        llm.engine.step()
+    assert_no_leaks(llm)
+
+
+def test_config_and_cli(qwen3_path, drafter16):
+    assert LLM(str(qwen3_path), device="cpu", num_kv_blocks=64, draft=str(drafter16),
+               cost_profile="none").engine.runner.lazy is None  # off by default
+    with pytest.raises(ConfigError, match="needs a draft model"):
+        LLM(str(qwen3_path), device="cpu", lazy_draft_context=True)
+    with pytest.raises(ConfigError, match="true or false"):
+        spec_llm(qwen3_path, drafter16, lazy_draft_context="yes")
+    parser = build_parser()
+    args = parser.parse_args(["generate", "--prompt", "x", "--lazy-draft-context"])
+    assert engine_kwargs(args)["lazy_draft_context"] is True
+    args = parser.parse_args(["generate", "--prompt", "x"])
+    assert engine_kwargs(args)["lazy_draft_context"] is False
+
+
+def test_probe_pays_the_catch_up(qwen3_path, drafter16):
+    """Detached, the policy's probe budget includes the catch-up: a catch-up priced at ~0 s
+    per token lets the probe through, a dear one holds it back. (A probe costs 0.5 plain steps
+    more: affordable after 100 plain steps, so only once detached.)"""
+    from blockspec.spec.policy import StepCostModel
+
+    llm = spec_llm(qwen3_path, drafter16, speculation_policy="adaptive")
+    r = llm.engine.runner
+    r.set_cost_model(StepCostModel({L: {1: 1e-3 * t, 64: 1e-3 * t}
+                                    for L, t in {1: 1.0, 4: 1.5, 8: 5.0, 16: 9.0}.items()}))
+    ctl = r.controller
+    for _ in range(20):  # evidence: the first draft is never accepted
+        ctl.tracker.observe_many([3] * 4, [0] * 4)
+    for price, probes in ((1e-9, True), (1.0, False)):
+        r.lazy.seconds_per_token = price
+        llm.engine.spec_stats.block_len_steps.clear()
+        llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=160,
+                                                 ignore_eos=True))
+        assert (4 in llm.engine.spec_stats.block_len_steps) == probes
+        assert r.lazy.num_detached_steps > 0
+    assert_no_leaks(llm)
