@@ -44,7 +44,7 @@ class LLM:
         ids: list[str] = []
         try:
             for prompt, p in zip(prompts, params):
-                ids.append(engine.add_request(prompt, p, stream=False))
+                ids.append(engine.add_request(prompt, p, stream=False, output_kind="final_only"))
         except Exception:
             for rid in ids:
                 engine.abort(rid)

@@ -8,6 +8,7 @@ import torch
 from helpers import PROMPTS, assert_no_leaks, random_prompts
 
 from blockspec import LLM, RequestOutput, SamplingParams
+from blockspec.config import ConfigError
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 LENGTHS = [5 + (115 * i) // 15 for i in range(16)]  # 16 prompts, 5..120 tokens
@@ -264,6 +265,35 @@ def test_streaming_step_deltas(qwen3_path):
             ids += out.delta_token_ids
             final = out
     assert final.finished and ids == final.token_ids and text == final.text
+    assert_no_leaks(llm)
+
+
+def test_output_kinds(qwen3_path):
+    """vLLM's RequestOutputKind: cumulative (default), delta, final_only (offline generate)."""
+    llm = make_llm(qwen3_path, num_kv_blocks=64)
+    eng = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=1)
+    kinds = {k: eng.add_request("def foo(x):", params, output_kind=k)
+             for k in ("cumulative", "delta", "final_only")}
+    seen: dict[str, list] = {k: [] for k in kinds}
+    by_id = {rid: k for k, rid in kinds.items()}
+    while eng.has_unfinished():
+        for out in eng.step():
+            seen[by_id[out.request_id]].append(out)
+    final = {k: outs[-1] for k, outs in seen.items()}
+    assert all(f.finished for f in final.values())
+    want = final["cumulative"].token_ids
+    assert len(want) == 10 and final["delta"].token_ids == want == final["final_only"].token_ids
+    assert final["delta"].text == final["cumulative"].text == final["final_only"].text
+    assert len(seen["final_only"]) == 1 and len(seen["cumulative"]) == 10
+    # delta: each intermediate output holds only its step's tokens (and logprobs)
+    inter = seen["delta"][:-1]
+    assert [t for o in inter for t in o.token_ids] + final["delta"].delta_token_ids == want
+    assert all(o.token_ids == o.delta_token_ids and len(o.logprobs) == len(o.token_ids)
+               for o in inter)
+    assert seen["cumulative"][3].token_ids == want[:4]
+    with pytest.raises(ConfigError, match="output_kind"):
+        eng.add_request("x", params, output_kind="final")
     assert_no_leaks(llm)
 
 

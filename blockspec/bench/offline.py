@@ -60,7 +60,10 @@ def run_requests(engine: LLMEngine, prompts: list[list[int]], params: SamplingPa
     def top_up() -> None:
         while pending and len(in_flight) < concurrency:
             i, p = pending.popleft()
-            rid = engine.add_request(p, params, request_id=f"bench-{tag}-{i}", stream=False)
+            # NOTE: "delta": a per-step output (for inter-token latency) without per-step copies
+            # of everything generated so far.
+            rid = engine.add_request(p, params, request_id=f"bench-{tag}-{i}", stream=False,
+                                     output_kind="delta")
             in_flight[rid] = (time.monotonic(), None, [])
 
     bar = tqdm(total=len(prompts), desc=f"C={concurrency}", unit="req", leave=False,

@@ -31,6 +31,8 @@ from blockspec.sampling_params import SamplingParams
 from blockspec.spec.metrics import SpecStats
 from blockspec.spec.proposer import DFlashProposer, load_drafter
 
+OUTPUT_KINDS = ("cumulative", "delta", "final_only")
+
 
 @dataclass
 class _Request:
@@ -43,6 +45,7 @@ class _Request:
     # NOTE: incremental detokenization costs two decodes per token; without streaming or stop
     # strings the text is decoded once, when the request finishes.
     incremental: bool = True
+    output_kind: str = "cumulative"  # see LLMEngine.add_request
 
 
 class LLMEngine:
@@ -144,9 +147,19 @@ class LLMEngine:
         return ids
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None, stream: bool = True) -> str:
+                    request_id: str | None = None, stream: bool = True,
+                    output_kind: str = "cumulative") -> str:
         """Queues a request. With `stream=False` (offline generate) the text is produced when the
-        request finishes; intermediate outputs then carry token ids only."""
+        request finishes; intermediate outputs then carry token ids only.
+
+        `output_kind` (vLLM's RequestOutputKind): which steps return an output for it and what
+        it holds. "cumulative": every step, everything so far (plus the step's delta);
+        "delta": every step, only what the step added in `token_ids`/`text`/`logprobs`;
+        "final_only": the finished output alone. Finished outputs are always complete.
+        NOTE: at large batches the per-step copies of "cumulative" cost host time that the
+        engine's per-step sync turns into step time; offline generate asks for "final_only"."""
+        if output_kind not in OUTPUT_KINDS:
+            raise ConfigError(f"output_kind must be one of {OUTPUT_KINDS}, got {output_kind!r}")
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else str(next(self._ids))
         if request_id in self.requests:
@@ -179,7 +192,8 @@ class LLMEngine:
         seq = Sequence(request_id, ids, params, max_tokens, generator=gen)
         self.requests[request_id] = _Request(
             seq, prompt if isinstance(prompt, str) else None,
-            IncrementalDetokenizer(self.tokenizer), incremental=stream or bool(params.stop_strs))
+            IncrementalDetokenizer(self.tokenizer), incremental=stream or bool(params.stop_strs),
+            output_kind=output_kind)
         self.scheduler.add(seq)
         return request_id
 
@@ -225,7 +239,9 @@ class LLMEngine:
         for seq in res.sampled_seqs:
             if id(seq) in finishing:
                 self.scheduler.finish(seq, *finishing[id(seq)])
-            outputs.append(self._output(self.requests[seq.request_id]))
+            req = self.requests[seq.request_id]
+            if seq.is_finished or req.output_kind != "final_only":
+                outputs.append(self._output(req))
         return outputs
 
     def _append(self, req: _Request, tokens: list[int], logprobs: list[dict[int, float] | None],
@@ -288,14 +304,19 @@ class LLMEngine:
         visible = max(req.emitted_chars, len(req.text) - hold)
         delta_text = req.text[req.emitted_chars:visible]
         req.emitted_chars = visible
-        delta_ids = seq.output_token_ids[req.emitted_tokens:]
+        start = req.emitted_tokens
+        delta_ids = seq.output_token_ids[start:]
         req.emitted_tokens = len(seq.output_token_ids)
+        want_lp = seq.params.logprobs is not None
+        if req.output_kind == "delta" and not finished:
+            text, ids, lps = delta_text, delta_ids, seq.logprobs[start:] if want_lp else None
+        else:
+            text, ids = req.text[:visible], list(seq.output_token_ids)
+            lps = list(seq.logprobs) if want_lp else None
         out = RequestOutput(
             request_id=seq.request_id, prompt=req.prompt,
-            prompt_token_ids=seq.prompt_token_ids, text=req.text[:visible],
-            token_ids=list(seq.output_token_ids), finished=finished,
-            finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
-            logprobs=list(seq.logprobs) if seq.params.logprobs is not None else None,
+            prompt_token_ids=seq.prompt_token_ids, text=text, token_ids=ids, finished=finished,
+            finish_reason=seq.finish_reason, stop_reason=seq.stop_reason, logprobs=lps,
             metrics=seq.metrics, delta_text=delta_text, delta_token_ids=delta_ids,
         )
         if finished:
