@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 import subprocess
@@ -90,3 +91,32 @@ def run_file_with_triton_interpreter(path: str) -> None:
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-5000:]
     assert "fresh process instead" not in proc.stdout  # the Triton cases really ran there
+
+
+def force_block_lens(llm, cycle: list[int]) -> None:
+    """Replace the speculation policy's choice with a fixed cycle of block lengths."""
+    it = itertools.cycle(cycle)
+    llm.engine.runner.controller.choose = lambda n: next(it)
+
+
+def record_drafter(llm) -> list[torch.Tensor]:
+    """Every drafter forward's output (decode and mixed steps alike), in order."""
+    out: list[torch.Tensor] = []
+    llm.engine.runner.proposer.drafter.register_forward_hook(
+        lambda m, i, o: out.append(o.detach().clone()))
+    return out
+
+
+def cpu_llm(model, draft=None, **kw):
+    """A CPU engine with a roomy KV cache; with a drafter, no cost-profile file (tests)."""
+    from blockspec import LLM
+
+    base = dict(device="cpu", num_kv_blocks=512)
+    if draft is not None:
+        base.update(draft=str(draft), cost_profile="none")
+    return LLM(str(model), **{**base, **kw})
+
+
+def greedy_token_ids(model, prompts, params) -> list[list[int]]:
+    """Plain (no drafter) decoding's outputs: the reference speculative runs must equal."""
+    return [o.token_ids for o in cpu_llm(model).generate(prompts, params)]

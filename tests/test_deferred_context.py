@@ -9,7 +9,14 @@ import itertools
 
 import pytest
 import torch
-from helpers import assert_no_leaks, random_prompts
+from helpers import (
+    assert_no_leaks,
+    cpu_llm,
+    force_block_lens,
+    greedy_token_ids,
+    random_prompts,
+    record_drafter,
+)
 
 from blockspec import LLM, SamplingParams
 
@@ -25,27 +32,15 @@ def prompts():
 
 @pytest.fixture(scope="module")
 def ar_ref(qwen3_path, prompts):
-    llm = LLM(str(qwen3_path), device="cpu", num_kv_blocks=512)
-    return [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    return greedy_token_ids(qwen3_path, prompts, GREEDY)
 
 
 def spec_llm(qwen3_path, drafter16, **kw) -> LLM:
-    args = dict(device="cpu", num_kv_blocks=512, draft=str(drafter16), cost_profile="none",
-                speculation_policy="fixed")
-    return LLM(str(qwen3_path), **{**args, **kw})
+    return cpu_llm(qwen3_path, drafter16, **{"speculation_policy": "fixed", **kw})
 
 
-def force(llm: LLM, cycle: list[int]) -> None:
-    it = itertools.cycle(cycle)
-    llm.engine.runner.controller.choose = lambda n: next(it)
 
 
-def record_drafter(llm: LLM) -> list[torch.Tensor]:
-    """Every drafter forward's output (decode and mixed steps alike), in order."""
-    out: list[torch.Tensor] = []
-    llm.engine.runner.proposer.drafter.register_forward_hook(
-        lambda m, i, o: out.append(o.detach().clone()))
-    return out
 
 
 def drafter_rows(llm: LLM, slots: list[int]) -> torch.Tensor:
@@ -67,7 +62,7 @@ def reference_context(qwen3_path, drafter16, tokens: list[int]) -> torch.Tensor:
 def plain_heavy_run(qwen3_path, drafter16, prompts, ar_ref, kv: dict, defer: bool) -> tuple:
     """Greedy run under PLAIN_HEAVY; `defer=False`: plain steps write their context at once."""
     llm = spec_llm(qwen3_path, drafter16, **kv)
-    force(llm, PLAIN_HEAVY)
+    force_block_lens(llm, PLAIN_HEAVY)
     r = llm.engine.runner
     r.steps[1].defer_context = defer
     overflows, stage = [], r.staging.stage
@@ -159,7 +154,7 @@ def test_flush_never_changes_another_sequences_context(qwen3_path, drafter16, pr
     """Under preemption (tiny cache), flush every third step and check that no slot of a running
     sequence's computed positions changes, except those its own valid staged rows fill."""
     llm = spec_llm(qwen3_path, drafter16, num_kv_blocks=12, max_num_batched_tokens=64)
-    force(llm, [1, 1, 1, 1, 1, 1, 1, 1, 1, 4])
+    force_block_lens(llm, [1, 1, 1, 1, 1, 1, 1, 1, 1, 4])
     r, bm, sched = llm.engine.runner, llm.engine.block_manager, llm.engine.scheduler
     st, execute, calls, stale = r.staging, r.execute, itertools.count(), []
 

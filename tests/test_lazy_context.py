@@ -6,11 +6,16 @@ per-sequence counts stay exact; detached steps write and stage nothing."""
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
-from helpers import assert_no_leaks, random_prompts
+from helpers import (
+    assert_no_leaks,
+    cpu_llm,
+    force_block_lens,
+    greedy_token_ids,
+    random_prompts,
+    record_drafter,
+)
 
 from blockspec import LLM, ConfigError, SamplingParams
 from blockspec.cli import build_parser, engine_kwargs
@@ -28,26 +33,16 @@ def prompts():
 
 @pytest.fixture(scope="module")
 def ar_ref(qwen3_path, prompts):
-    llm = LLM(str(qwen3_path), device="cpu", num_kv_blocks=512)
-    return [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    return greedy_token_ids(qwen3_path, prompts, GREEDY)
 
 
 def spec_llm(qwen3_path, drafter16, **kw) -> LLM:
-    args = dict(device="cpu", num_kv_blocks=512, draft=str(drafter16), cost_profile="none",
-                speculation_policy="fixed", lazy_draft_context=True)
-    return LLM(str(qwen3_path), **{**args, **kw})
+    return cpu_llm(qwen3_path, drafter16,
+                   **{"speculation_policy": "fixed", "lazy_draft_context": True, **kw})
 
 
-def force(llm: LLM, cycle: list[int]) -> None:
-    it = itertools.cycle(cycle)
-    llm.engine.runner.controller.choose = lambda n: next(it)
 
 
-def record_drafter(llm: LLM) -> list[torch.Tensor]:
-    out: list[torch.Tensor] = []
-    llm.engine.runner.proposer.drafter.register_forward_hook(
-        lambda m, i, o: out.append(o.detach().clone()))
-    return out
 
 
 def check_counts(llm: LLM) -> dict[str, int]:
@@ -86,7 +81,7 @@ def test_greedy_identical_and_drafter_sees_same_context(qwen3_path, drafter16, p
     runs, mixed = [], {}
     for lazy in (True, False):
         llm = spec_llm(qwen3_path, drafter16, lazy_draft_context=lazy, **kv)
-        force(llm, LONG)
+        force_block_lens(llm, LONG)
         mixed = check_counts(llm) if lazy else mixed
         seen = record_drafter(llm)
         assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == ar_ref
@@ -124,7 +119,7 @@ def test_catch_up_writes_what_a_prefill_writes(qwen3_path, drafter16, skip):
     (prompt,) = random_prompts([21], seed=9)
     llm = spec_llm(qwen3_path, drafter16, synthetic_acceptance=0.7, benchmark_mode=True,
                    enable_prefix_caching=False)
-    force(llm, [4] * 3 + [1] * (DETACH_AFTER + 10) + [16])
+    force_block_lens(llm, [4] * 3 + [1] * (DETACH_AFTER + 10) + [16])
     r, lz = llm.engine.runner, llm.engine.runner.lazy
     if skip:
         lz.catch_up = lambda seqs: None
@@ -192,9 +187,9 @@ def test_prefix_hit_starts_without_context_and_is_caught_up(qwen3_path, drafter1
     llm = spec_llm(qwen3_path, drafter16)
     r = llm.engine.runner
     (a,) = random_prompts([40], seed=4)
-    force(llm, [1])
+    force_block_lens(llm, [1])
     llm.generate([a], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
-    force(llm, [4])
+    force_block_lens(llm, [4])
     rid = llm.engine.add_request(a + [7, 8], SamplingParams(temperature=0, max_tokens=3,
                                                             ignore_eos=True))
     seq = llm.engine.requests[rid].seq

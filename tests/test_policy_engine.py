@@ -4,11 +4,9 @@ the choices under forced step costs, fixed mode, and the benchmark hooks."""
 
 from __future__ import annotations
 
-import itertools
-
 import pytest
 import torch
-from helpers import assert_no_leaks, random_prompts
+from helpers import assert_no_leaks, cpu_llm, force_block_lens, greedy_token_ids, random_prompts
 from spec_models import build_constant_pair
 
 from blockspec import LLM, ConfigError, SamplingParams
@@ -30,19 +28,15 @@ def prompts():
 
 @pytest.fixture(scope="module")
 def ar_ref(qwen3_path, prompts):
-    llm = LLM(str(qwen3_path), device="cpu", num_kv_blocks=512)
-    return [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    return greedy_token_ids(qwen3_path, prompts, GREEDY)
 
 
 def spec_llm(qwen3_path, drafter, **kw) -> LLM:
-    args = dict(device="cpu", num_kv_blocks=512, draft=str(drafter), cost_profile="none")
-    return LLM(str(qwen3_path), **{**args, **kw})
+    return cpu_llm(qwen3_path, drafter, **kw)
 
 
 def force_cycle(llm: LLM, cycle: list[int] = CYCLE) -> None:
-    """Replace the policy's choice with a fixed cycle of block lengths."""
-    it = itertools.cycle(cycle)
-    llm.engine.runner.controller.choose = lambda n: next(it)
+    force_block_lens(llm, cycle)
 
 
 def flat_costs(ms: dict[int, float], buckets=(1, 64)) -> StepCostModel:
