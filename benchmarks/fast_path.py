@@ -148,15 +148,20 @@ def timed_generate(llm: LLM, prompts: list, out_len: int) -> tuple[dict, list]:
     params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
+    before = llm.engine.timings.copy()
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     dt = time.perf_counter() - t0
+    timings = llm.engine.timings.copy()
+    timings.add(before, sign=-1)
     tokens = sum(len(o.token_ids) for o in outs)
     taus = [o.metrics.spec.mean_acceptance_length for o in outs if o.metrics.spec.num_steps]
     return ({"output_tok_s": tokens / dt, "elapsed_s": dt, "output_tokens": tokens,
              "mean_tpot_ms": 1e3 * sum(o.metrics.tpot for o in outs) / len(outs),
              "mean_ttft_ms": 1e3 * sum(o.metrics.ttft for o in outs) / len(outs),
-             "tau": sum(taus) / len(taus) if taus else None}, outs)
+             "tau": sum(taus) / len(taus) if taus else None,
+             # NOTE: where the run's engine steps spent wall time (host vs device wait)
+             "engine_steps": timings.steps, "step_ms": timings.per_step_ms()}, outs)
 
 
 def pool_runs(runs: list[dict]) -> dict:
@@ -172,6 +177,10 @@ def pool_runs(runs: list[dict]) -> dict:
         if k in runs[0]:
             vals = [r[k] for r in runs if r.get(k) is not None]
             out[k] = sum(vals) / len(vals) if vals else None
+    if "step_ms" in runs[0]:
+        out["engine_steps"] = sum(r["engine_steps"] for r in runs)
+        out["step_ms"] = {k: sum(r["step_ms"].get(k, 0.0) * r["engine_steps"] for r in runs)
+                          / max(1, out["engine_steps"]) for k in runs[0]["step_ms"]}
     if "block_len_steps" in runs[0]:
         steps: Counter = Counter()
         for r in runs:

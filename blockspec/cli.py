@@ -148,6 +148,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
               f"{m.num_generated_tokens} generated in {elapsed:.2f}s "
               f"({m.num_generated_tokens / elapsed:.1f} tok/s), TTFT {m.ttft * 1e3:.1f} ms, "
               f"finish_reason={out.finish_reason}", file=sys.stderr)
+        per_step = engine.timings.per_step_ms()
+        print(f"[blockspec] {engine.timings.steps} engine steps, ms per step: "
+              + ", ".join(f"{k} {v:.2f}" for k, v in per_step.items()), file=sys.stderr)
         if engine.runner.proposer is not None:
             spec = m.spec
             hist = " ".join(f"{k}:{v}" for k, v in sorted(spec.acceptance_length_hist.items()))

@@ -297,6 +297,26 @@ def test_output_kinds(qwen3_path):
     assert_no_leaks(llm)
 
 
+def test_step_timings_account_for_the_steps(qwen3_path):
+    import time
+
+    llm = make_llm(qwen3_path, num_kv_blocks=64)
+    t = llm.engine.timings
+    assert t.steps == 0 and t.per_step_ms() == {}
+    t0 = time.perf_counter()
+    llm.generate(["def foo(x):", "x"], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    wall = time.perf_counter() - t0
+    parts = [t.schedule, t.runner_host, t.device_wait, t.postprocess]
+    assert t.steps >= 8 and all(x > 0 for x in parts[:2] + parts[3:]) and t.device_wait >= 0
+    assert sum(parts) <= wall  # parts of the steps, nothing counted twice
+    assert set(t.per_step_ms()) == {"schedule", "runner_host", "device_wait", "postprocess"}
+    before = t.copy()
+    llm.generate(["y"], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
+    delta = t.copy()
+    delta.add(before, sign=-1)
+    assert delta.steps == 3 and delta.runner_host > 0
+
+
 def test_abort(qwen3_path):
     llm = make_llm(qwen3_path, num_kv_blocks=32)
     eng = llm.engine

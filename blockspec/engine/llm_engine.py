@@ -21,9 +21,10 @@ from blockspec.engine.memory import (
     profile_activation_bytes,
 )
 from blockspec.engine.model_runner import ModelRunner
-from blockspec.engine.scheduler import Scheduler
+from blockspec.engine.scheduler import Scheduler, SchedulerOutput
 from blockspec.engine.sequence import Sequence
 from blockspec.engine.speculation import resolve_block_lens
+from blockspec.engine.step_result import StepResult, StepTimings
 from blockspec.layers.attention import PagedAttention, get_backend
 from blockspec.models.loader import load_model
 from blockspec.outputs import RequestOutput
@@ -211,11 +212,29 @@ class LLMEngine:
         return self.scheduler.has_unfinished
 
     # -- stepping -------------------------------------------------------------------------------
+    @property
+    def timings(self) -> StepTimings:
+        """Wall time of the engine's steps by part (see StepTimings), summed since start."""
+        return self.runner.timings
+
     def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         if not sched:
             return []
+        t1 = time.perf_counter()
         res = self.runner.execute(sched.seqs, sched.num_new_tokens)
+        t2 = time.perf_counter()
+        outputs = self._commit(sched, res)
+        timings = self.runner.timings
+        timings.steps += 1
+        timings.schedule += t1 - t0
+        timings.postprocess += time.perf_counter() - t2
+        return outputs
+
+    def _commit(self, sched: SchedulerOutput, res: StepResult) -> list[RequestOutput]:
+        """Append each sequence's committed tokens, advance its computed tokens, finish it where
+        a stop or its limit was reached, and build this step's outputs."""
         now = time.monotonic()
         finishing: dict[int, tuple[str, str | int | None]] = {}
         spec = self.runner.proposer is not None

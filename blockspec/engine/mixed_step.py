@@ -89,7 +89,7 @@ class MixedStepMixin:
                 hits = (u < self.synthetic) & (drafts >= 0)
                 acc_t = hits.to(torch.int64).cumprod(dim=1).sum(dim=1)
         lp = self._logprobs(logits, tokens, row_seqs)
-        tok_list = tokens.tolist()  # NOTE: the step's one host sync
+        tok_list = self.synced(tokens)  # NOTE: the step's one host sync
         acc = acc_t.tolist() if acc_t is not None else []
         draft_list = drafts.tolist() if self.synthetic is not None and drafts is not None else []
 

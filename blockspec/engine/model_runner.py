@@ -14,6 +14,8 @@ context altogether and it is caught up before the drafter next runs (see `lazy_c
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import torch
 
@@ -31,7 +33,7 @@ from blockspec.engine.lazy_context import LazyDraftContext
 from blockspec.engine.mixed_step import MixedStepMixin
 from blockspec.engine.sequence import Sequence
 from blockspec.engine.speculation import SpecController
-from blockspec.engine.step_result import Logprobs, StepResult
+from blockspec.engine.step_result import Logprobs, StepResult, StepTimings
 from blockspec.layers.attention import PagedAttention
 from blockspec.layers.sampler import SamplingTensors, sample
 from blockspec.models.qwen3 import CausalLM
@@ -112,6 +114,7 @@ class ModelRunner(MixedStepMixin):
                 self.lazy.graphs.capture(pool, stream)
         self.graphs = self.graphs_by_len.get(self.max_block)  # compat: the max block's graphs
 
+        self.timings = StepTimings()  # the runner's parts; the engine adds its own and steps
         self.controller: SpecController | None = None
         self.cost_profile_info: dict | None = None
         if proposer is not None:
@@ -156,6 +159,13 @@ class ModelRunner(MixedStepMixin):
         self.controller.reset_acceptance()
 
     # -- stepping ---------------------------------------------------------------------------
+    def synced(self, t: torch.Tensor) -> list:
+        """`t.tolist()`, the step's host sync, timed as `timings.device_wait`."""
+        t0 = time.perf_counter()
+        out = t.tolist()
+        self.timings.device_wait += time.perf_counter() - t0
+        return out
+
     @torch.inference_mode()
     def flush_context(self) -> None:
         """Write the drafter context K/V of every staged plain-step token now (the runner does
@@ -165,6 +175,13 @@ class ModelRunner(MixedStepMixin):
 
     @torch.inference_mode()
     def execute(self, seqs: list[Sequence], num_new_tokens: list[int]) -> StepResult:
+        t0, wait0 = time.perf_counter(), self.timings.device_wait
+        res = self._execute(seqs, num_new_tokens)
+        self.timings.runner_host += (time.perf_counter() - t0) - (self.timings.device_wait
+                                                                   - wait0)
+        return res
+
+    def _execute(self, seqs: list[Sequence], num_new_tokens: list[int]) -> StepResult:
         decoding = [n == 1 and s.num_computed_tokens == s.num_tokens - 1
                     for s, n in zip(seqs, num_new_tokens)]
         n_dec = sum(decoding)
@@ -250,7 +267,7 @@ class ModelRunner(MixedStepMixin):
         parts = [target.reshape(n, -1)]
         if acc is not None:
             parts += [drafts[:n], acc[:n, None]]
-        host = torch.cat(parts, dim=1).tolist()  # NOTE: the step's one host sync
+        host = self.synced(torch.cat(parts, dim=1))  # NOTE: the step's one host sync
         tokens, lps, drafted, accepted = [], [], [], []
         for i, row in enumerate(host):
             tgt = row[:q]

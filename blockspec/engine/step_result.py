@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 from blockspec.engine.sequence import Sequence
 
@@ -20,3 +20,33 @@ class StepResult:
     # Per sampled seq: its decode block length (1 = plain), 0 if it sampled after a prefill.
     block_lens: list[int] = field(default_factory=list)
     block_len: int = 0  # the step's chosen block length (0: no sequence was decoding)
+
+
+@dataclass
+class StepTimings:
+    """Where engine steps spend wall time, summed over steps (seconds).
+
+    NOTE: the engine syncs with the device once per step, so host time is not hidden behind the
+    device: at large batches `schedule + runner_host + postprocess` is what a faster host would
+    win. `device_wait` is the time the host blocked at the step's one sync (on a GPU: the device
+    still running the step; on CPU ~0, the work is in `runner_host`)."""
+
+    steps: int = 0
+    schedule: float = 0.0  # scheduler: admission, preemption, block allocation
+    runner_host: float = 0.0  # runner outside the sync: inputs, launches, eager ops, results
+    device_wait: float = 0.0  # runner: blocked at the host sync
+    postprocess: float = 0.0  # engine: tokens appended, stops, metrics, outputs
+
+    def add(self, other: StepTimings, sign: int = 1) -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + sign * getattr(other, f.name))
+
+    def copy(self) -> StepTimings:
+        return StepTimings(**{f.name: getattr(self, f.name) for f in fields(self)})
+
+    def per_step_ms(self) -> dict[str, float]:
+        """Mean milliseconds per step for each part (empty before the first step)."""
+        if not self.steps:
+            return {}
+        return {f.name: 1e3 * getattr(self, f.name) / self.steps
+                for f in fields(self) if f.name != "steps"}
