@@ -67,9 +67,9 @@ def plain_heavy_run(qwen3_path, drafter16, prompts, ar_ref, kv: dict, defer: boo
     r.steps[1].defer_context = defer
     overflows, stage = [], r.staging.stage
 
-    def counted(taps, positions, blocks):
+    def counted(taps, positions, blocks, seqs=None):
         overflows.append(len(r.staging) + len(positions) > r.staging.capacity)
-        stage(taps, positions, blocks)
+        stage(taps, positions, blocks, seqs)
 
     r.staging.stage = counted
     seen = record_drafter(llm)

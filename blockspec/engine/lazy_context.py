@@ -58,8 +58,6 @@ class LazyDraftContext:
         # runner when it captures graphs.
         self.step = DecodeStep(model, None, 1, block_manager.block_size, max_model_len)
         self.graphs: GraphedDecodeStep | None = None
-        self.cost_model: StepCostModel | None = None  # the policy's (probe pricing before any
-        # catch-up was measured); set by the runner
         self.detached = False
         self.plain_streak = 0  # consecutive steps whose chosen block length was 1
         # The current step's scheduled sequences and decoding flags (probe pricing).
@@ -79,8 +77,8 @@ class LazyDraftContext:
         it will run. `plain_decode`: an all-decode step at L = 1 (the one that may stage)."""
         if max(blens, default=0) >= 2:
             # NOTE: the drafter sees every sequence with a block (blens >= 1), even one cut to
-            # a single token near the context end: all of them get a complete context.
-            self.staging.flush()
+            # a single token near the context end: all of them get a complete context. The
+            # runner has flushed the staging already (it does before every drafting step).
             self.catch_up([s for s, b in zip(seqs, blens) if b >= 1])
             self.detached, self.plain_streak = False, 0
             return
@@ -110,9 +108,10 @@ class LazyDraftContext:
         return sum(s.num_computed_tokens - s.num_draft_ctx_tokens
                    for s, d in zip(self.step_seqs, self.step_decoding) if d)
 
-    def probe_extra_cost(self, batch_size: int) -> float:
+    def probe_extra_cost(self, batch_size: int, cost_model: StepCostModel) -> float:
         """Seconds a probe would add for its catch-up: the last catch-up's seconds per token
-        (before any: a plain step's time per sequence at this batch, from the cost profile; a
+        (before any: a plain step's time per sequence at this batch, from the policy's
+        `cost_model`; a
         catch-up token is part of a large prefill, never dearer than a decode token) times the
         tokens to catch up.
         NOTE: both the catch-up (~ batch x detached steps tokens) and the probe budget (a
@@ -124,9 +123,7 @@ class LazyDraftContext:
             return 0.0
         per_token = self.seconds_per_token
         if per_token is None:
-            if self.cost_model is None:
-                return 0.0
-            per_token = self.cost_model.cost(batch_size, 1) / batch_size
+            per_token = cost_model.cost(batch_size, 1) / batch_size
         return per_token * pending
 
     # -- catch-up -------------------------------------------------------------------------------

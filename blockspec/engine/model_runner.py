@@ -126,7 +126,6 @@ class ModelRunner(MixedStepMixin):
                 self.spec_lens, config.speculation_policy, cost_model,
                 batch_bucket=graphs.bucket_for if graphs is not None else None)
             if self.lazy is not None:
-                self.lazy.cost_model = cost_model
                 self.controller.set_probe_extra_cost(self.lazy.probe_extra_cost)
 
     # -- benchmark hooks (not serving options) ----------------------------------------------
@@ -143,8 +142,6 @@ class ModelRunner(MixedStepMixin):
         if self.controller is None:
             raise ConfigError("set_cost_model needs a draft model")
         self.controller.set_cost_model(cost_model)
-        if self.lazy is not None:
-            self.lazy.cost_model = cost_model
 
     def set_synthetic_acceptance(self, a: float) -> None:
         """Change the synthetic acceptance probability of a benchmark-mode engine; captured graphs
@@ -238,11 +235,9 @@ class ModelRunner(MixedStepMixin):
             out = step(bufs, n)
         if out.taps is not None:
             # NOTE: now, before the next replay overwrites the graph's output.
-            blocks = tables[np.arange(n), ctx // self.bm.block_size]
-            if self.lazy is None:
-                self.staging.stage(out.taps, ctx, blocks)
-            else:  # the flush counts the rows it writes into their sequences' context
-                self.staging.stage(out.taps, ctx, blocks, seqs)
+            # With lazy context the flush counts the rows it writes into their sequences.
+            self.staging.stage(out.taps, ctx, tables[np.arange(n), ctx // self.bm.block_size],
+                               seqs if self.lazy is not None else None)
         params = [s.params for s in seqs]
         target = out.target_tokens[:n]
         logits = out.logits[:n * q]

@@ -72,7 +72,7 @@ class SpecController:
         self.fixed_len = self.max_block
         self.policy: SpeculationPolicy | None = None
         # See SpeculationPolicy.probe_extra_cost (kept across set_policy).
-        self.probe_extra_cost: Callable[[int], float] | None = None
+        self.probe_extra_cost: Callable[[int, StepCostModel], float] | None = None
         self.set_policy(mode)
 
     @staticmethod
@@ -103,7 +103,7 @@ class SpecController:
         else:
             raise ConfigError(f"speculation policy must be adaptive or fixed, got {mode!r}")
 
-    def set_probe_extra_cost(self, fn: Callable[[int], float] | None) -> None:
+    def set_probe_extra_cost(self, fn: Callable[[int, StepCostModel], float] | None) -> None:
         self.probe_extra_cost = fn
         if self.policy is not None:
             self.policy.probe_extra_cost = fn

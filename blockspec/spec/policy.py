@@ -152,7 +152,7 @@ class SpeculationPolicy:
         self._plain_time = 0.0  # modelled seconds spent in the current plain streak
         # Seconds a probe would add besides its step (batch size -> s), e.g. the drafter-context
         # catch-up it triggers when the engine skipped those writes (lazy_draft_context).
-        self.probe_extra_cost: Callable[[int], float] | None = None
+        self.probe_extra_cost: Callable[[int, StepCostModel], float] | None = None
 
     def rates(self, batch_size: int, tracker: AcceptanceTracker) -> dict[int, float]:
         """Expected committed tokens/s for each candidate (1 and every block length)."""
@@ -199,7 +199,7 @@ class SpeculationPolicy:
         if extra > budget:
             return False
         if self.probe_extra_cost is not None:
-            extra += self.probe_extra_cost(batch_size)
+            extra += self.probe_extra_cost(batch_size, self.cost_model)
         return extra <= budget
 
     def explain(self, batch_size: int, tracker: AcceptanceTracker) -> dict[str, Any]:
