@@ -24,6 +24,7 @@ import os
 import platform
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -94,8 +95,7 @@ def default_profile_path(key: dict[str, Any]) -> Path:
     return cache / "cost_profiles" / f"{digest}.json"
 
 
-def resolve_profile_path(config: EngineConfig, device: torch.device,
-                         key: dict[str, Any]) -> Path | None:
+def resolve_profile_path(config: EngineConfig, key: dict[str, Any]) -> Path | None:
     """None: measure and keep in memory only."""
     if config.cost_profile is None:
         # NOTE: cached on CPU too: eager profiling of even the 15.7M demo pair takes seconds,
@@ -135,14 +135,18 @@ def _time_graph(runner: ModelRunner, L: int, n: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def _time_eager(runner: ModelRunner, L: int, n: int) -> float:
-    cuda = runner.device.type == "cuda"
+def _median_seconds(fn: Callable[[], None], cuda: bool,
+                    setup: Callable[[], None] | None = None) -> float:
+    """Median wall time of `fn` over EAGER_ITERS calls after EAGER_WARMUP (device synchronised
+    around each call; `setup` runs before each, untimed)."""
     times = []
     for i in range(EAGER_WARMUP + EAGER_ITERS):
+        if setup is not None:
+            setup()
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        runner.steps[L](runner.bufs, n)
+        fn()
         if cuda:
             torch.cuda.synchronize()
         if i >= EAGER_WARMUP:
@@ -150,24 +154,19 @@ def _time_eager(runner: ModelRunner, L: int, n: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def _time_eager(runner: ModelRunner, L: int, n: int) -> float:
+    return _median_seconds(lambda: runner.steps[L](runner.bufs, n), runner.device.type == "cuda")
+
+
 def _time_flush(runner: ModelRunner, n: int, ctx: int) -> float:
     """A plain step's share of the batched drafter-context write it defers: one flush of
     STAGING_STEPS * n rows (the staging's refill period at batch n), per step."""
-    staging, cuda = runner.staging, runner.device.type == "cuda"
+    staging = runner.staging
     rows = min(STAGING_STEPS * n, staging.capacity)
     blocks = [i % runner.bm.num_blocks for i in range(rows)]
-    times = []
-    for i in range(EAGER_WARMUP + EAGER_ITERS):
-        staging.stage_placeholders(blocks, [ctx] * rows)
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        staging.flush()
-        if cuda:
-            torch.cuda.synchronize()
-        if i >= EAGER_WARMUP:
-            times.append(time.perf_counter() - t0)
-    return sorted(times)[len(times) // 2] * n / rows
+    seconds = _median_seconds(staging.flush, runner.device.type == "cuda",
+                              setup=lambda: staging.stage_placeholders(blocks, [ctx] * rows))
+    return seconds * n / rows
 
 
 @torch.inference_mode()
@@ -195,7 +194,7 @@ def load_or_measure_costs(runner: ModelRunner, config: EngineConfig
                           ) -> tuple[StepCostModel, dict[str, Any]]:
     """The cost model and a record of where it came from (for logs and benchmarks)."""
     key = cost_key(runner, config)
-    path = resolve_profile_path(config, runner.device, key)
+    path = resolve_profile_path(config, key)
     info: dict[str, Any] = {"path": str(path) if path else None, "key": key}
     if path is not None:
         try:

@@ -53,6 +53,13 @@ def graph_buckets(max_num_seqs: int) -> list[int]:
         + [max_num_seqs]
 
 
+def graphed_block_lens(adaptive: bool, spec_lens: list[int], max_block: int) -> list[int]:
+    """Block lengths whose decode steps get CUDA graphs: every length the adaptive policy can
+    choose (1 = plain), else only the max block (the fixed policy's, or plain decode without a
+    drafter). NOTE: the runner captures these and the engine sizes their outputs' memory."""
+    return [1, *spec_lens] if adaptive else [max_block]
+
+
 @dataclass
 class StepOutputs:
     target_tokens: torch.Tensor  # [S, Q] the target's greedy picks (argmax)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from blockspec.config import ConfigError, EngineConfig, ModelConfig
-from blockspec.engine.decode_step import graph_buckets
+from blockspec.engine.decode_step import graph_buckets, graphed_block_lens
 from blockspec.engine.detokenizer import IncrementalDetokenizer, eos_token_ids, load_tokenizer
 from blockspec.engine.kv_cache import BlockManager
 from blockspec.engine.memory import (
@@ -97,7 +97,8 @@ class LLMEngine:
                                                    self.dtype)
                 activation = max(activation, peak) + kept
             if not config.enforce_eager:
-                lens = [1, *self.spec_block_lens] if adaptive else [max(self.spec_block_size, 1)]
+                lens = graphed_block_lens(adaptive, self.spec_block_lens,
+                                          max(self.spec_block_size, 1))
                 if adaptive and config.lazy_draft_context:
                     lens.append(1)  # the detached plain step's own graphs
                 activation += graph_output_bytes(lens, graph_buckets(config.max_num_seqs),

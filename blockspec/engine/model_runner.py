@@ -27,6 +27,7 @@ from blockspec.engine.decode_step import (
     GraphedDecodeStep,
     StepBuffers,
     graph_buckets,
+    graphed_block_lens,
 )
 from blockspec.engine.kv_cache import BlockManager
 from blockspec.engine.lazy_context import LazyDraftContext
@@ -102,7 +103,7 @@ class ModelRunner(MixedStepMixin):
         self.graphs_by_len: dict[int, GraphedDecodeStep] = {}
         if self.device.type == "cuda" and not config.enforce_eager:
             # Graphs for every block length the policy can choose (fixed: the max block only).
-            lens = [1, *self.spec_lens] if adaptive else [self.max_block]
+            lens = graphed_block_lens(adaptive, self.spec_lens, self.max_block)
             pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
             # NOTE: one pool, largest block first: smaller graphs reuse its intermediates.
             for L in sorted(lens, reverse=True):
