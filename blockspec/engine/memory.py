@@ -16,7 +16,7 @@ _GiB = 1 << 30
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    elem = torch.empty((), dtype=dtype).element_size()
+    elem = dtype.itemsize
     return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
 
 
@@ -74,7 +74,7 @@ def graph_output_bytes(block_lens: list[int], buckets: list[int], vocab_size: in
                        dtype: torch.dtype) -> int:
     """Logits that the captured graphs keep alive beyond the largest graph's (which the
     activation profile counts): outputs of graphs sharing a pool cannot share memory."""
-    elem = torch.empty((), dtype=dtype).element_size()
+    elem = dtype.itemsize
     sizes = [b * L * vocab_size * elem for L in block_lens for b in buckets]
     return sum(sizes) - max(sizes, default=0)
 
@@ -85,7 +85,7 @@ def context_staging_bytes(config: EngineConfig, target: ModelConfig, drafter: DF
     Persistent: the staging rows and the taps output that each captured plain-step graph keeps
     alive (`graphed`). Transient, while a flush runs: the fused features (fc output and its
     norm) and one drafter layer's K/V projection for every staged row."""
-    elem = torch.empty((), dtype=dtype).element_size()
+    elem = dtype.itemsize
     rows = staging_rows(config.max_num_seqs)
     width = len(drafter.target_layer_ids) * target.hidden_size
     buckets = graph_buckets(config.max_num_seqs) if graphed else []

@@ -150,8 +150,9 @@ class SpeculationPolicy:
         self.probe_overhead = float(probe_overhead)
         self._plain_streak = 0
         self._plain_time = 0.0  # modelled seconds spent in the current plain streak
-        # Seconds a probe would add besides its step (batch size -> s), e.g. the drafter-context
-        # catch-up it triggers when the engine skipped those writes (lazy_draft_context).
+        # Seconds a probe would add besides its step ((batch size, this cost model) -> s), e.g.
+        # the drafter-context catch-up it triggers when the engine skipped those writes
+        # (lazy_draft_context).
         self.probe_extra_cost: Callable[[int, StepCostModel], float] | None = None
 
     def rates(self, batch_size: int, tracker: AcceptanceTracker) -> dict[int, float]:
