@@ -46,11 +46,9 @@ def test_block_mask_matches_recipe():
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 @pytest.mark.parametrize("backend", ["dense", "flex"])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 2), (3, 3), (6, 2)])
-def test_block_sparse_attention_equals_masked_sdpa(heads, kv_heads, backend, monkeypatch):
-    from blockspec.train import drafter_forward
+def test_block_sparse_attention_equals_masked_sdpa(heads, kv_heads, backend):
     from blockspec.train.drafter_forward import block_sparse_attention
 
-    monkeypatch.setitem(drafter_forward._BACKEND, "name", backend)
     torch.manual_seed(heads)
     bsz, ctx_len, d = 4, 13, 8
     anchors = torch.tensor([[1, 5, 6, 9], [2, 3, 8, 9]])  # two sequences, own contexts
@@ -58,7 +56,7 @@ def test_block_sparse_attention_equals_masked_sdpa(heads, kv_heads, backend, mon
     q = torch.randn(seqs, nb, heads, d, dtype=torch.float64)
     k_ctx, v_ctx = torch.randn(2, seqs, ctx_len, kv_heads, d, dtype=torch.float64)
     k_blk, v_blk = torch.randn(2, seqs, nb, kv_heads, d, dtype=torch.float64)
-    ours = block_sparse_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, d**-0.5)
+    ours = block_sparse_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, d**-0.5, backend)
     for s in range(seqs):
         keys = torch.cat([k_ctx[s], k_blk[s]]).transpose(0, 1)
         values = torch.cat([v_ctx[s], v_blk[s]]).transpose(0, 1)
@@ -79,10 +77,11 @@ def test_flex_backend_gradients_equal_dense():
 
 
 def test_attention_backend_choice(tmp_path, qwen3_path, greedy_corpus):
-    from blockspec.train.drafter_forward import set_attention_backend
+    from blockspec.train.drafter_forward import block_sparse_attention
 
+    x = torch.zeros(1, 4, 2, 8)
     with pytest.raises(ValueError, match="dense or flex"):
-        set_attention_backend("flash")
+        block_sparse_attention(x, x, x, x, x, torch.ones(1, 1, dtype=torch.long), 1.0, "flash")
     if not torch.cuda.is_available():
         assert Trainer(_args(qwen3_path, greedy_corpus, tmp_path / "a")).attention == "dense"
         with pytest.raises(ConfigError, match="needs a CUDA device"):

@@ -58,7 +58,7 @@ def _rope(attn: DraftAttention, x: torch.Tensor, positions: torch.Tensor) -> tor
 
 
 def _attention(layer: DraftLayer, x: torch.Tensor, ctx: torch.Tensor, q_pos: torch.Tensor,
-               ctx_pos: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+               ctx_pos: torch.Tensor, anchors: torch.Tensor, backend: str) -> torch.Tensor:
     """x: [S*N*B, H] block states; ctx: [S*L, H] fused context; anchors [S, N]."""
     attn = layer.self_attn
     nh, nkv, d = attn.num_heads, attn.num_kv_heads, attn.head_dim
@@ -75,28 +75,24 @@ def _attention(layer: DraftLayer, x: torch.Tensor, ctx: torch.Tensor, q_pos: tor
     out = block_sparse_attention(
         q.reshape(seqs, -1, nh, d), k_ctx.reshape(seqs, -1, nkv, d),
         v_ctx.reshape(seqs, -1, nkv, d), k.reshape(seqs, -1, nkv, d),
-        v.reshape(seqs, -1, nkv, d), anchors, d**-0.5)
+        v.reshape(seqs, -1, nkv, d), anchors, d**-0.5, backend)
     return attn.o_proj(out.reshape(-1, attn.q_size))
 
 
 def block_sparse_attention(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor,
                            k_blk: torch.Tensor, v_blk: torch.Tensor, anchors: torch.Tensor,
-                           scale: float) -> torch.Tensor:
-    """Attention under `block_attention_mask` (shapes: `dense_block_attention`): FlexAttention
-    where enabled (`set_attention_backend`), else the dense path."""
-    if _BACKEND["name"] == "flex":
+                           scale: float, backend: str = "dense") -> torch.Tensor:
+    """Attention under `block_attention_mask` (shapes: `dense_block_attention`), with the
+    `backend` "dense" (any device) or "flex" (FlexAttention)."""
+    if backend == "flex":
         return flex_block_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, scale)
+    if backend != "dense":
+        raise ValueError(f"attention backend must be dense or flex, got {backend!r}")
     return dense_block_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, scale)
 
 
-# NOTE: process-wide, set once by the trainer: "dense" (the default, any device) or "flex".
-_BACKEND: dict[str, object] = {"name": "dense", "compiled": None}
-
-
-def set_attention_backend(name: str) -> None:
-    if name not in ("dense", "flex"):
-        raise ValueError(f"attention backend must be dense or flex, got {name!r}")
-    _BACKEND["name"] = name
+# The compiled flex_attention, built on first CUDA use (a cache, not a setting).
+_COMPILED_FLEX: list = []
 
 
 def flex_block_attention(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tensor,
@@ -124,9 +120,9 @@ def flex_block_attention(q: torch.Tensor, k_ctx: torch.Tensor, v_ctx: torch.Tens
     v = torch.cat([v_ctx, v_blk], dim=1).transpose(1, 2)
     fn = flex_attention
     if cuda:
-        if _BACKEND["compiled"] is None:
-            _BACKEND["compiled"] = torch.compile(flex_attention, dynamic=False)
-        fn = _BACKEND["compiled"]
+        if not _COMPILED_FLEX:
+            _COMPILED_FLEX.append(torch.compile(flex_attention, dynamic=False))
+        fn = _COMPILED_FLEX[0]
     out = fn(q.transpose(1, 2), k, v, block_mask=mask, scale=scale, enable_gqa=nh != k.shape[1])
     return out.transpose(1, 2)
 
@@ -190,10 +186,11 @@ def _mlp(layer: DraftLayer, x: torch.Tensor) -> torch.Tensor:
 
 
 def train_forward(drafter: DFlashDrafter, taps: torch.Tensor, block_embeds: torch.Tensor,
-                  anchors: torch.Tensor) -> torch.Tensor:
+                  anchors: torch.Tensor, attention: str = "dense") -> torch.Tensor:
     """taps: [L, n_taps*H] target hidden states (config order, concatenated) of one sequence, or
     [S, L, n_taps*H] for S equal-length sequences; block_embeds: [(S*)N*B, H] embedded blocks;
-    anchors: [N] or [S, N]. Returns final-normed states [(S*)N*B, H].
+    anchors: [N] or [S, N]; `attention`: "dense" or "flex" (`block_sparse_attention`). Returns
+    final-normed states [(S*)N*B, H].
 
     NOTE: S sequences run as one pass (bigger GEMMs, S times fewer launches); each block still
     sees only its own sequence's context."""
@@ -207,7 +204,8 @@ def train_forward(drafter: DFlashDrafter, taps: torch.Tensor, block_embeds: torc
     q_pos = (anchors[:, :, None] + torch.arange(bsz, device=dev)).reshape(-1)
     h = block_embeds
     for layer in drafter.layers:
-        h = h + _attention(layer, layer.input_layernorm(h), ctx, q_pos, ctx_pos, anchors)
+        h = h + _attention(layer, layer.input_layernorm(h), ctx, q_pos, ctx_pos, anchors,
+                           attention)
         h = h + _mlp(layer, layer.post_attention_layernorm(h))
     return drafter.norm(h)
 

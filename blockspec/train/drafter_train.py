@@ -24,7 +24,6 @@ from tqdm.auto import tqdm
 
 from blockspec.config import ConfigError
 from blockspec.spec.checkpoint import save_drafter
-from blockspec.train import drafter_forward
 from blockspec.train.drafter_data import load_sequences
 from blockspec.train.drafter_forward import (
     acceptance_length,
@@ -172,8 +171,8 @@ class Trainer:
         return torch.autocast("cuda", dtype=torch.bfloat16,
                               enabled=self.device.type == "cuda")
 
-    def batch_losses(self, seqs: list[list[int]], max_anchors: int, gen: torch.Generator
-                     ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def batch_losses(self, seqs: list[list[int]], max_anchors: int, gen: torch.Generator,
+                     attention: str = "dense") -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """(loss share, per-block greedy tau) per drafter pass; the
         shares sum to the sum over `seqs` of each sequence's weighted loss (mean over its
         anchors). Sequences too short for a block contribute nothing.
@@ -208,7 +207,7 @@ class Trainer:
                 with torch.no_grad():
                     embeds = self.target.embed(blocks).flatten(0, 2).float()
                 with self.autocast():
-                    states = train_forward(self.drafter, taps[rows], embeds, part)
+                    states = train_forward(self.drafter, taps[rows], embeds, part, attention)
                     states = states.view(part.numel(), bsz, -1)[:, 1:]
                     logits = self.target.lm_head(states)
                 labels = labels.flatten(0, 1)
@@ -234,8 +233,7 @@ class Trainer:
                 for i in batch_indices(self.step, a.batch_size, len(self.train_seqs), a.seed)]
         self.opt.zero_grad(set_to_none=True)
         total = torch.zeros((), device=self.device)
-        drafter_forward.set_attention_backend(self.attention)
-        for share, _ in self.batch_losses(seqs, a.anchors_per_seq, gen):
+        for share, _ in self.batch_losses(seqs, a.anchors_per_seq, gen, self.attention):
             (share / len(seqs)).backward()
             total += share.detach() / len(seqs)  # NOTE: no host sync per pass
         torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), a.grad_clip)
@@ -247,14 +245,13 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         """Held-out loss and greedy acceptance length tau (fixed anchors: comparable over time)."""
         self.drafter.eval()
-        # NOTE: dense for the small no-grad eval passes: no compile for their shapes.
-        drafter_forward.set_attention_backend("dense")
         gen = torch.Generator().manual_seed(12345)
         loss, taus = 0.0, []
         seqs = self.eval_seqs
         for i in range(0, len(seqs), self.args.batch_size):
+            # NOTE: dense for the small no-grad eval passes: no compile for their shapes.
             for share, tau in self.batch_losses(seqs[i:i + self.args.batch_size],
-                                                   self.args.eval_anchors, gen):
+                                                   self.args.eval_anchors, gen, "dense"):
                 loss += share.item()
                 taus.append(tau.float())
         if not taus:
