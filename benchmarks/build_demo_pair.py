@@ -81,11 +81,22 @@ PROFILES = {
 DEADLINE_RESERVE_S = 90
 
 
-def _set_flag(args: list[str], flag: str, value: str) -> None:
-    if flag in args:
-        args[args.index(flag) + 1] = value
-    else:
-        args += [flag, value]
+def override_flags(args: list[str], extra: list[str]) -> list[str]:
+    """A copy of `args` where each flag of `extra` (with one value, or a switch) replaces the same
+    flag, or is appended."""
+    out = list(args)
+    i = 0
+    while i < len(extra):
+        flag = extra[i]
+        has_value = i + 1 < len(extra) and not extra[i + 1].startswith("--")
+        if flag in out:
+            j = out.index(flag)
+            if has_value:
+                out[j + 1] = extra[i + 1]
+        else:
+            out += [flag, extra[i + 1]] if has_value else [flag]
+        i += 2 if has_value else 1
+    return out
 
 
 def _folder_bytes(path: Path) -> int:
@@ -191,7 +202,7 @@ def build(out: str | Path, smoke: bool = False, profile: str | None = None,
         budget = float(args[args.index("--time-budget-s") + 1]) if "--time-budget-s" in args \
             else left
         seconds = int(max(10, min(budget, left)))
-        _set_flag(args, "--time-budget-s", str(seconds))
+        plan["drafter"] = override_flags(args, ["--time-budget-s", str(seconds)])
         plan["drafter_budget"] = seconds + 40
     stage("drafter", ["-m", "blockspec.cli", "train-drafter", "--target", str(dirs["target"]),
                       "--data", str(data), "--out", str(dirs["drafter"]), *plan["drafter"]])
@@ -234,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     profile = "smoke" if a.smoke else a.profile
     if a.drafter_seconds:
         plan = PROFILES[profile]
-        _set_flag(plan["drafter"], "--time-budget-s", str(a.drafter_seconds))
+        plan["drafter"] = override_flags(plan["drafter"],
+                                         ["--time-budget-s", str(a.drafter_seconds)])
         plan["drafter_budget"] = a.drafter_seconds + 40
     build(a.out, profile=profile, ship=a.ship, reuse_target=a.reuse_target,
           deadline_s=a.deadline_s)

@@ -28,7 +28,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from build_demo_pair import CODE_PROMPTS, PROFILES, ROOT, ship_folder  # noqa: E402
+from build_demo_pair import (  # noqa: E402
+    CODE_PROMPTS,
+    PROFILES,
+    ROOT,
+    override_flags,
+    ship_folder,
+)
 from fast_path import git_commit  # noqa: E402
 
 # Overrides of the demo recipe's drafter arguments (build_demo_pair.PROFILES["full"]).
@@ -49,26 +55,9 @@ VARIANTS: dict[str, list[str]] = {
 DEADLINE_RESERVE_S = 100
 
 
-def _override(args: list[str], extra: list[str]) -> list[str]:
-    """`extra` flags replace the same flags in `args` (flags with one value, or switches)."""
-    out = list(args)
-    i = 0
-    while i < len(extra):
-        flag = extra[i]
-        has_value = i + 1 < len(extra) and not extra[i + 1].startswith("--")
-        if flag in out:
-            j = out.index(flag)
-            if has_value:
-                out[j + 1] = extra[i + 1]
-        else:
-            out += [flag, extra[i + 1]] if has_value else [flag]
-        i += 2 if has_value else 1
-    return out
-
-
 def _drafter_args(smoke: bool, seconds: int) -> list[str]:
     args = list(PROFILES["smoke" if smoke else "full"]["drafter"])
-    return _override(args, ["--time-budget-s", str(seconds)])
+    return override_flags(args, ["--time-budget-s", str(seconds)])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -155,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     procs = {}
     t0 = time.perf_counter()
     for i, name in enumerate(names):
-        args = _override(_drafter_args(a.smoke, train_seconds), VARIANTS[name])
+        args = override_flags(_drafter_args(a.smoke, train_seconds), VARIANTS[name])
         cmd = ["-m", "blockspec.cli", "train-drafter", "--target", a.target, "--data",
                *map(str, data), "--out", str(out / "drafters" / name), *args]
         record["variants"][name] = {"train_command": cmd, "gpu": i % gpus}

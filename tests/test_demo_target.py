@@ -286,5 +286,5 @@ def test_drafter_sweep_smoke(tmp_path):
     # 3 drafter layers cannot copy the 2-layer smoke target's: that variant fails, alone
     failed = rec["variants"]["l3init"]
     assert failed["train_rc"] != 0 and "tau_code" not in failed
-    assert mod._override(["--lr", "1", "--x"], ["--lr", "2", "--y"]) == ["--lr", "2", "--x",
-                                                                         "--y"]
+    assert bmod.override_flags(["--lr", "1", "--x"], ["--lr", "2", "--y"]) == [
+        "--lr", "2", "--x", "--y"]
