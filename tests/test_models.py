@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from blockspec import LLM
 from blockspec.config import ConfigError, ModelConfig, RopeConfig
+from blockspec.layers.attention import AttentionMetadata
 from blockspec.models.loader import load_model
 
 TOL = dict(atol=1e-4, rtol=1e-4)
@@ -147,6 +148,25 @@ def test_hidden_layer_ids_last_layer_matches_hf(qwen3_path, hf_model):
     ids = tokens(20, seed=4)
     _, taps = prefill(ours(qwen3_path), ids, hidden_layer_ids=(3,))
     torch.testing.assert_close(taps[0], hf_hidden(hf_model(qwen3_path), ids)[4], **TOL)
+
+
+def test_taps_only_stops_after_the_last_tapped_layer(qwen3_path):
+    """The lazy catch-up's taps_only pass: same taps, and the layers after the last tap never run
+    (a hook on them fails the test if they do)."""
+    model = ours(qwen3_path)
+    ids = tokens(20, seed=5)
+    _, full = prefill(model, ids, hidden_layer_ids=(1, 0))
+    ran = []
+    model.model.layers[2].self_attn.register_forward_pre_hook(lambda *_: ran.append(2))
+    PagedCache(model)  # binds a KV cache to the attention layers
+    meta = AttentionMetadata.build([len(ids)], [len(ids)], [list(range(2))], list(range(len(ids))),
+                                   "cpu")
+    with torch.no_grad():
+        hidden, taps = model(torch.tensor(ids), torch.arange(len(ids)), meta, (1, 0),
+                             taps_only=True)
+    assert hidden is None and not ran
+    for got, want in zip(taps, full):
+        torch.testing.assert_close(got, want, **TOL)
 
 
 # -- paged / chunked / multi-token attention -------------------------------------------------------

@@ -180,5 +180,5 @@ class LazyDraftContext:
                                        [s.block_table for s, _, _ in chunk], trash_slots, dev)
         pos = torch.tensor(positions, dtype=torch.int64, device=dev)
         _, taps = self.model(torch.tensor(ids, dtype=torch.int64, device=dev), pos, meta,
-                             self.proposer.target_layer_ids)
+                             self.proposer.target_layer_ids, taps_only=True)
         self.proposer.write_context(taps, pos, torch.tensor(ctx_slots, device=dev))

@@ -83,8 +83,12 @@ class DecoderModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                hidden_layer_ids: tuple[int, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
+                hidden_layer_ids: tuple[int, ...] = (), taps_only: bool = False
+                ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
         h = self.embed_tokens(input_ids)
+        # `taps_only`: the caller needs the taps alone, so the layers after the last tap are
+        # skipped (its output exists right after layer `stop`'s input add).
+        stop = max(hidden_layer_ids) + 1 if taps_only and hidden_layer_ids else len(self.layers)
         taps: dict[int, torch.Tensor] = {}
         residual = None
         # NOTE: the residual add is fused into the next RMSNorm, so the output of layer i - 1
@@ -97,6 +101,8 @@ class DecoderModel(nn.Module):
                 x, residual = fused_add_rms_norm(h, residual, norm.weight, norm.eps)
             if i - 1 in hidden_layer_ids:
                 taps[i - 1] = residual
+            if i == stop:
+                return None, [taps[j] for j in hidden_layer_ids]
             x = layer.self_attn(positions, x, meta)
             norm = layer.post_attention_layernorm
             x, residual = fused_add_rms_norm(x, residual, norm.weight, norm.eps)
@@ -124,10 +130,13 @@ class CausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                hidden_layer_ids: tuple[int, ...] = ()) -> tuple[torch.Tensor, list[torch.Tensor]]:
+                hidden_layer_ids: tuple[int, ...] = (), taps_only: bool = False
+                ) -> tuple[torch.Tensor | None, list[torch.Tensor]]:
         """Returns the final-normed hidden states [T, H] and, for each id in `hidden_layer_ids`
-        (in that order), the output of that decoder layer (HF `hidden_states[id + 1]`)."""
-        return self.model(input_ids, positions, meta, hidden_layer_ids)
+        (in that order), the output of that decoder layer (HF `hidden_states[id + 1]`).
+        `taps_only`: stop after the last tapped layer; the hidden states are then None unless that
+        is the last layer (the lazy drafter-context catch-up needs the taps alone)."""
+        return self.model(input_ids, positions, meta, hidden_layer_ids, taps_only)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
