@@ -41,10 +41,6 @@ def spec_llm(qwen3_path, drafter16, **kw) -> LLM:
                    **{"speculation_policy": "fixed", "lazy_draft_context": True, **kw})
 
 
-
-
-
-
 def check_counts(llm: LLM) -> dict[str, int]:
     """Wrap execute: before each step every scheduled sequence's count is at most its computed
     tokens, and whenever the drafter runs, every decoding sequence of the step (all of them
@@ -235,5 +231,30 @@ def test_probe_pays_the_catch_up(qwen3_path, drafter16):
         llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=160,
                                                  ignore_eos=True))
         assert (4 in llm.engine.spec_stats.block_len_steps) == probes
+        assert r.lazy.num_detached_steps > 0
+    assert_no_leaks(llm)
+
+
+def test_return_to_speculation_pays_the_catch_up(qwen3_path, drafter16):
+    """Two requests decode with plain steps (at B = 2 a verify is dear) and detach; once the
+    shorter one finishes, the longer one alone would speculate (cheap at B = 1), but only if
+    its catch-up is repaid by the tokens it has left: a dear catch-up keeps it on plain decode
+    (no drafter work to the end), a cheap one lets it catch up and speculate."""
+    from blockspec.spec.policy import StepCostModel
+
+    llm = spec_llm(qwen3_path, drafter16, speculation_policy="adaptive")
+    r = llm.engine.runner
+    ms = {1: (1.0, 1.0), 4: (1.2, 5.0), 8: (5.0, 9.0), 16: (9.0, 17.0)}  # (B=1, B=2)
+    r.set_cost_model(StepCostModel({L: {1: 1e-3 * a, 2: 1e-3 * b} for L, (a, b) in ms.items()}))
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (150, 100)]
+    for price, speculates in ((1.0, False), (1e-9, True)):
+        r.controller.reset_acceptance()  # the prior (0.8): block 4 wins at B = 1 by 2.4x
+        r.lazy.seconds_per_token = price
+        catchups = r.lazy.num_catchups
+        llm.engine.spec_stats.block_len_steps.clear()
+        llm.generate(random_prompts([5, 7], seed=3), params)
+        steps = llm.engine.spec_stats.block_len_steps
+        assert (set(steps) != {1}) == speculates, steps
+        assert (r.lazy.num_catchups > catchups) == speculates
         assert r.lazy.num_detached_steps > 0
     assert_no_leaks(llm)

@@ -254,6 +254,37 @@ def test_probe_after_plain_streak():
     assert {no_probe.choose(128, t) for _ in range(20)} == {1}
 
 
+def test_switch_cost_is_amortised_over_the_horizon():
+    """A one-time cost of speculating (the lazy context's catch-up) is spread over the steps
+    that commit the tokens left: a long horizon absorbs it, a short one or a dear one does not,
+    and a near-tie with plain never pays it."""
+    cm = StepCostModel({1: {1: 1.0}, 4: {1: 1.5}})
+    t = iid_tracker(0.5)  # tau(4) = 1.875: 1.25x plain without a switch cost
+    policy = SpeculationPolicy(cm, block_lens=(4,))
+    calls = []
+
+    def switch(seconds, horizon):
+        def fn(batch_size, cost_model):
+            calls.append((batch_size, cost_model))
+            return seconds, horizon
+        return fn
+
+    policy.switch_cost = switch(0.0, 1.0)
+    assert policy.choose(1, t) == 4 and calls == [(1, cm)]
+    policy.switch_cost = switch(10.0, 1000.0)  # +10 s over 533 steps: +0.019 s per step
+    assert policy.choose(1, t) == 4
+    policy.switch_cost = switch(10.0, 20.0)  # over ~11 steps: +0.94 s per step
+    assert policy.choose(1, t) == 1
+    policy.switch_cost = switch(1.0, 1.0)  # fewer tokens left than one step commits
+    assert policy.rates(1, t, 1.0, 1.0)[4] == pytest.approx(1.875 / 2.5)
+    assert policy.choose(1, t) == 1
+    # Plain decode never asks: the switch cost only guards a speculative choice.
+    calls.clear()
+    policy.switch_cost = switch(1e9, 1.0)
+    assert SpeculationPolicy(cm, block_lens=(4,)).choose(1, iid_tracker(0.01)) == 1
+    assert policy.choose(1, iid_tracker(0.01)) == 1 and calls == []
+
+
 def test_fixed_mode_and_determinism():
     policy = SpeculationPolicy(design_costs(), mode="fixed", fixed_len=16)
     assert policy.choose(128, iid_tracker(0.1)) == 16

@@ -60,7 +60,7 @@ class LazyDraftContext:
         self.graphs: GraphedDecodeStep | None = None
         self.detached = False
         self.plain_streak = 0  # consecutive steps whose chosen block length was 1
-        # The current step's scheduled sequences and decoding flags (probe pricing).
+        # The current step's scheduled sequences and decoding flags (switch_cost).
         self.step_seqs: list[Sequence] = []
         self.step_decoding: list[bool] = []
         # Metrics.
@@ -102,29 +102,32 @@ class LazyDraftContext:
             if seq.num_draft_ctx_tokens == seq.num_computed_tokens:
                 seq.num_draft_ctx_tokens += adv
 
-    # -- probes ---------------------------------------------------------------------------------
+    # -- pricing a return to speculation -------------------------------------------------------
     def pending_tokens(self) -> int:
         """Tokens the current step's decoding sequences would need caught up to draft."""
         return sum(s.num_computed_tokens - s.num_draft_ctx_tokens
                    for s, d in zip(self.step_seqs, self.step_decoding) if d)
 
-    def probe_extra_cost(self, batch_size: int, cost_model: StepCostModel) -> float:
-        """Seconds a probe would add for its catch-up: the last catch-up's seconds per token
-        (before any: a plain step's time per sequence at this batch, from the policy's
-        `cost_model`; a
-        catch-up token is part of a large prefill, never dearer than a decode token) times the
-        tokens to catch up.
-        NOTE: both the catch-up (~ batch x detached steps tokens) and the probe budget (a
-        fraction of the plain streak's time) grow with the streak, so once detached a probe
-        fits only where a catch-up token costs less than ~probe_overhead of a plain step's
-        per-sequence time: in practice detached engines stop probing."""
+    def switch_cost(self, batch_size: int, cost_model: StepCostModel) -> tuple[float, float]:
+        """(seconds, horizon) of speculating this step (SpeculationPolicy.switch_cost): the
+        catch-up of the step's decoding sequences, and the mean number of tokens they have left
+        (`max_tokens`; an end-of-sequence token may come sooner) to pay it back.
+        Seconds per caught-up token: the last catch-up's, or before any a plain step's time
+        per sequence at this batch (`cost_model`; a catch-up token is part of a large prefill,
+        never dearer than a decode token).
+        NOTE: the catch-up grows with the detached streak (~ batch x steps tokens), so a long
+        detached stretch returns to speculation only where the gain repays it: without this
+        price, a batch shrinking as requests finish tipped the policy back to speculation and
+        paid a prefill-sized catch-up for a few steps (H200, a=0.6, C=128: 0.91x plain)."""
         pending = self.pending_tokens()
         if not pending:
-            return 0.0
+            return 0.0, 1.0
         per_token = self.seconds_per_token
         if per_token is None:
             per_token = cost_model.cost(batch_size, 1) / batch_size
-        return per_token * pending
+        left = [s.max_tokens - len(s.output_token_ids)
+                for s, d in zip(self.step_seqs, self.step_decoding) if d]
+        return per_token * pending, max(1.0, sum(left) / max(1, len(left)))
 
     # -- catch-up -------------------------------------------------------------------------------
     def catch_up(self, seqs: list[Sequence]) -> None:

@@ -127,7 +127,7 @@ class ModelRunner(MixedStepMixin):
                 self.spec_lens, config.speculation_policy, cost_model,
                 batch_bucket=graphs.bucket_for if graphs is not None else None)
             if self.lazy is not None:
-                self.controller.set_probe_extra_cost(self.lazy.probe_extra_cost)
+                self.controller.set_switch_cost(self.lazy.switch_cost)
 
     # -- benchmark hooks (not serving options) ----------------------------------------------
     def set_policy(self, mode: str, fixed_len: int | None = None) -> None:
@@ -186,7 +186,7 @@ class ModelRunner(MixedStepMixin):
         L = 1
         lazy = self.lazy
         if self.controller is not None and n_dec:
-            if lazy is not None:  # NOTE: the policy may price a probe's catch-up from them
+            if lazy is not None:  # NOTE: the policy prices a catch-up (switch_cost) from them
                 lazy.step_seqs, lazy.step_decoding = seqs, decoding
             L = self.controller.choose(n_dec)
         # Tokens verified per decoding sequence: its last token plus L - 1 drafts, cut at the end

@@ -71,8 +71,8 @@ class SpecController:
         self.mode = "fixed"
         self.fixed_len = self.max_block
         self.policy: SpeculationPolicy | None = None
-        # See SpeculationPolicy.probe_extra_cost (kept across set_policy).
-        self.probe_extra_cost: Callable[[int, StepCostModel], float] | None = None
+        # See SpeculationPolicy.switch_cost (kept across set_policy).
+        self.switch_cost: Callable[[int, StepCostModel], tuple[float, float]] | None = None
         self.set_policy(mode)
 
     @staticmethod
@@ -99,14 +99,15 @@ class SpecController:
             self.policy = SpeculationPolicy(
                 self.cost_model, self.block_lens, mode="adaptive", fixed_len=self.max_block,
                 min_gain=MIN_GAIN, probe_every=PROBE_EVERY, probe_overhead=PROBE_OVERHEAD)
-            self.policy.probe_extra_cost = self.probe_extra_cost
+            self.policy.switch_cost = self.switch_cost
         else:
             raise ConfigError(f"speculation policy must be adaptive or fixed, got {mode!r}")
 
-    def set_probe_extra_cost(self, fn: Callable[[int, StepCostModel], float] | None) -> None:
-        self.probe_extra_cost = fn
+    def set_switch_cost(self, fn: Callable[[int, StepCostModel], tuple[float, float]] | None
+                        ) -> None:
+        self.switch_cost = fn
         if self.policy is not None:
-            self.policy.probe_extra_cost = fn
+            self.policy.switch_cost = fn
 
     def set_cost_model(self, cost_model: StepCostModel) -> None:
         self.cost_model = cost_model

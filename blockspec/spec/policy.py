@@ -150,18 +150,23 @@ class SpeculationPolicy:
         self.probe_overhead = float(probe_overhead)
         self._plain_streak = 0
         self._plain_time = 0.0  # modelled seconds spent in the current plain streak
-        # Seconds a probe would add besides its step ((batch size, this cost model) -> s), e.g.
-        # the drafter-context catch-up it triggers when the engine skipped those writes
-        # (lazy_draft_context).
-        self.probe_extra_cost: Callable[[int, StepCostModel], float] | None = None
+        # What speculating would pay once before its first step ((batch size, this cost model)
+        # -> (seconds, horizon)), e.g. the drafter-context catch-up when the engine skipped
+        # those writes (lazy_draft_context); `horizon`: tokens per sequence left to amortise it.
+        self.switch_cost: Callable[[int, StepCostModel], tuple[float, float]] | None = None
 
-    def rates(self, batch_size: int, tracker: AcceptanceTracker) -> dict[int, float]:
-        """Expected committed tokens/s for each candidate (1 and every block length)."""
+    def rates(self, batch_size: int, tracker: AcceptanceTracker, switch_s: float = 0.0,
+              horizon: float = 1.0) -> dict[int, float]:
+        """Expected committed tokens/s for each candidate (1 and every block length).
+
+        `switch_s` > 0: a one-time cost of speculating, spread over the `horizon / tau` steps
+        that would commit the `horizon` tokens left (all of it on one step if fewer)."""
         p = tracker.conditional_rates(max(self.block_lens) - 1)
         out = {1: batch_size / self.cost_model.cost(batch_size, 1)}
         for L in self.block_lens:
             tau = expected_committed_from_rates(p, L)
-            out[L] = batch_size * tau / self.cost_model.cost(batch_size, L)
+            step = self.cost_model.cost(batch_size, L) + switch_s * tau / max(horizon, tau)
+            out[L] = batch_size * tau / step
         return out
 
     def _best(self, rates: Mapping[int, float]) -> int:
@@ -175,6 +180,10 @@ class SpeculationPolicy:
         if self.mode == "fixed":
             return self.fixed_len
         choice = self._best(self.rates(batch_size, tracker))
+        if choice != 1 and self.switch_cost is not None:
+            switch_s, horizon = self.switch_cost(batch_size, self.cost_model)
+            if switch_s > 0:
+                choice = self._best(self.rates(batch_size, tracker, switch_s, horizon))
         if choice == 1:
             self._plain_streak += 1
             self._plain_time += self.cost_model.cost(batch_size, 1)
@@ -190,8 +199,8 @@ class SpeculationPolicy:
         """With `probe_overhead` > 0, a probe also waits until its worst-case extra time (a probe
         that commits one token per sequence, like a plain step) is at most that fraction of the
         time spent in the plain streak: at large batches verification costs several plain steps,
-        so probes there are rarer. `probe_extra_cost` adds what else the probe pays (asked only
-        once the step's own extra fits the budget)."""
+        so probes there are rarer. A probe also pays the whole `switch_cost` (asked only once
+        the step's own extra fits the budget)."""
         if not self.probe_overhead:
             return True
         budget = self.probe_overhead * self._plain_time
@@ -199,8 +208,8 @@ class SpeculationPolicy:
             - self.cost_model.cost(batch_size, 1)
         if extra > budget:
             return False
-        if self.probe_extra_cost is not None:
-            extra += self.probe_extra_cost(batch_size, self.cost_model)
+        if self.switch_cost is not None:
+            extra += self.switch_cost(batch_size, self.cost_model)[0]
         return extra <= budget
 
     def explain(self, batch_size: int, tracker: AcceptanceTracker) -> dict[str, Any]:
