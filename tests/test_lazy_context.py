@@ -86,7 +86,7 @@ def test_greedy_identical_and_drafter_sees_same_context(qwen3_path, drafter16, p
     (lazy_llm, lazy_seen), (eager_llm, eager_seen) = runs
     lz = lazy_llm.engine.runner.lazy
     assert lz.num_catchups > 0 and lz.num_catchup_tokens > 0 and lz.num_detached_steps > 0
-    assert lz.seconds_per_token > 0
+    assert lz.catchup_seconds > 0
     assert lazy_llm.engine.spec_stats.block_len_steps == eager_llm.engine.spec_stats \
         .block_len_steps
     assert len(lazy_seen) == len(eager_seen) > 0
@@ -148,10 +148,11 @@ def test_catch_up_writes_what_a_prefill_writes(qwen3_path, drafter16, skip):
 
 def test_detached_steps_run_no_drafter_work(qwen3_path, drafter16, prompts):
     """Plain steps only: after DETACH_AFTER of them, no context write, no staged row, no
-    drafter forward; before, the plain steps stage and the flush counts them written."""
+    drafter forward; before, the plain steps stage and the flush counts them written. (The
+    policy itself would speculate, so the load rule does not detach at the prefill.)"""
     llm = spec_llm(qwen3_path, drafter16)
     r = llm.engine.runner
-    r.set_policy("fixed", 1)
+    force_block_lens(llm, [1])
     lz, st = r.lazy, r.staging
     writes, stage, write = [], st.stage, r.proposer.write_context
     r.proposer.write_context = lambda *a: (writes.append(lz.detached), write(*a))
@@ -215,7 +216,7 @@ def test_config_and_cli(qwen3_path, drafter16):
 def test_probe_pays_the_catch_up(qwen3_path, drafter16):
     """Detached, the policy's probe budget includes the catch-up: a catch-up priced at ~0 s
     per token lets the probe through, a dear one holds it back. (A probe costs 0.5 plain steps
-    more: affordable after 100 plain steps, so only once detached.)"""
+    more, and its catch-up at least one plain step: affordable after 300 plain steps.)"""
     from blockspec.spec.policy import StepCostModel
 
     llm = spec_llm(qwen3_path, drafter16, speculation_policy="adaptive")
@@ -228,7 +229,7 @@ def test_probe_pays_the_catch_up(qwen3_path, drafter16):
     for price, probes in ((1e-9, True), (1.0, False)):
         r.lazy.seconds_per_token = price
         llm.engine.spec_stats.block_len_steps.clear()
-        llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=160,
+        llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=360,
                                                  ignore_eos=True))
         assert (4 in llm.engine.spec_stats.block_len_steps) == probes
         assert r.lazy.num_detached_steps > 0
@@ -257,4 +258,42 @@ def test_return_to_speculation_pays_the_catch_up(qwen3_path, drafter16):
         assert (set(steps) != {1}) == speculates, steps
         assert (r.lazy.num_catchups > catchups) == speculates
         assert r.lazy.num_detached_steps > 0
+    assert_no_leaks(llm)
+
+
+def test_load_rule_detaches_before_the_prefills(qwen3_path, drafter16, prompts, ar_ref):
+    """Six requests at once, chunked prefill: at a load of 6 a verify is dear, so the engine
+    detaches before the first prefill writes any drafter context, and stays detached while
+    the batch fills (priced at the load, not at the few sequences already decoding). As
+    requests finish and the load falls, the switch is priced; output stays the target's."""
+    from blockspec.spec.policy import StepCostModel
+
+    llm = spec_llm(qwen3_path, drafter16, speculation_policy="adaptive",
+                   max_num_batched_tokens=96, max_num_seqs=6)
+    r = llm.engine.runner
+    # ms at B = 1, 3, 6: at 2-3 decoding sequences block 4 would pay (the prior: 2.95 tokens
+    # per step), at 6 plain decode wins.
+    ms = {1: (1.0, 1.0, 1.0), 4: (1.2, 1.3, 9.0), 8: (5.0, 6.0, 17.0), 16: (9.0, 10.0, 33.0)}
+    r.set_cost_model(StepCostModel({L: dict(zip((1, 3, 6), (1e-3 * t for t in ts)))
+                                    for L, ts in ms.items()}))
+    ctx, write = [], r.proposer.write_context
+    r.proposer.write_context = lambda *a: (ctx.append(1), write(*a))
+    decoding_steps = []
+    execute = r.execute
+
+    def spy(seqs, num_new_tokens):
+        n_dec = sum(n == 1 and s.num_computed_tokens == s.num_tokens - 1
+                    for s, n in zip(seqs, num_new_tokens))
+        res = execute(seqs, num_new_tokens)
+        decoding_steps.append((n_dec, r.num_unfinished_requests, r.lazy.detached))
+        return res
+
+    r.execute = spy
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == ar_ref
+    assert not ctx  # no prefill or plain step wrote drafter context
+    ramp = [d for d in decoding_steps if 0 < d[0] < d[1]]
+    assert any(n_dec in (2, 3) for n_dec, _, _ in ramp)
+    assert ramp and all(detached for _, _, detached in ramp)
+    assert set(llm.engine.spec_stats.block_len_steps) == {1}
+    assert r.lazy.num_catchups == 0
     assert_no_leaks(llm)

@@ -61,6 +61,11 @@ class ContextStaging:
     def __len__(self) -> int:
         return self._rows
 
+    @property
+    def num_staged_steps(self) -> int:
+        """Plain steps staged since the last flush (a sequence has at most one row in each)."""
+        return len(self._chunks)
+
     def _column(self, i: int) -> np.ndarray:
         if not self._chunks:
             return np.zeros(0, dtype=np.int64)

@@ -29,6 +29,7 @@ from blockspec.engine.context_staging import ContextStaging
 from blockspec.engine.decode_step import DecodeStep, GraphedDecodeStep
 from blockspec.engine.kv_cache import BlockManager
 from blockspec.engine.sequence import Sequence
+from blockspec.engine.speculation import SpecController
 from blockspec.layers.attention import AttentionMetadata
 from blockspec.models.qwen3 import CausalLM
 from blockspec.spec.policy import StepCostModel
@@ -46,13 +47,14 @@ class LazyDraftContext:
 
     def __init__(self, model: CausalLM, proposer: DFlashProposer, block_manager: BlockManager,
                  staging: ContextStaging, trash_block: int, max_num_batched_tokens: int,
-                 max_model_len: int, device: torch.device) -> None:
+                 max_model_len: int, max_num_seqs: int, device: torch.device) -> None:
         self.model = model
         self.proposer = proposer
         self.bm = block_manager
         self.staging = staging
         self.trash_block = trash_block
         self.max_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
         self.device = device
         # The plain step without drafter work (no taps, no context write); graphs set by the
         # runner when it captures graphs.
@@ -68,9 +70,30 @@ class LazyDraftContext:
         self.num_catchups = 0
         self.num_catchup_tokens = 0
         self.catchup_seconds = 0.0
-        self.seconds_per_token: float | None = None  # of the last catch-up
+        # Of the last catch-up of at least half a step budget (a smaller one is latency-bound).
+        self.seconds_per_token: float | None = None
 
     # -- per step -------------------------------------------------------------------------------
+    def policy_batch(self, num_decoding: int, num_requests: int,
+                     controller: SpecController) -> int:
+        """The load rule, before the policy chooses: the batch size to price this step at.
+
+        `num_requests`: the engine's unfinished requests (running and waiting). When they
+        outnumber this step's decoding sequences (prefills queued or in progress) and the
+        policy would decode plainly at that load, the runner detaches now, before the prefills
+        write any drafter context. While detached, the policy prices steps at the load, so a
+        batch that is still filling does not catch up only to detach again; as requests finish
+        the load falls to the decoding batch and the policy prices a return (`switch_cost`)."""
+        load = min(max(num_decoding, num_requests), self.max_num_seqs)
+        if load > num_decoding and not self.detached \
+                and controller.explain(load)["choice"] == 1:
+            self._detach()
+        return load if self.detached else num_decoding
+
+    def _detach(self) -> None:
+        self.staging.flush()  # NOTE: staged rows are written (and counted) before detaching
+        self.detached = True
+
     def before_step(self, seqs: list[Sequence], blens: list[int], block_len: int,
                     num_decoding: int, plain_decode: bool) -> None:
         """Decide whether this step runs detached, and make the drafter's context whole where
@@ -85,8 +108,7 @@ class LazyDraftContext:
         if num_decoding:
             self.plain_streak = self.plain_streak + 1 if block_len == 1 else 0
         if not self.detached and self.plain_streak > DETACH_AFTER:
-            self.staging.flush()  # NOTE: staged rows are written (and counted) before detaching
-            self.detached = True
+            self._detach()
         if self.detached:
             self.num_detached_steps += 1
         elif not plain_decode:
@@ -104,17 +126,21 @@ class LazyDraftContext:
 
     # -- pricing a return to speculation -------------------------------------------------------
     def pending_tokens(self) -> int:
-        """Tokens the current step's decoding sequences would need caught up to draft."""
-        return sum(s.num_computed_tokens - s.num_draft_ctx_tokens
+        """Tokens the current step's decoding sequences would need caught up to draft.
+        NOTE: rows still staged are not pending (the flush before drafting writes them): a
+        sequence has at most one per staged step."""
+        staged = self.staging.num_staged_steps
+        return sum(max(0, s.num_computed_tokens - s.num_draft_ctx_tokens - staged)
                    for s, d in zip(self.step_seqs, self.step_decoding) if d)
 
     def switch_cost(self, batch_size: int, cost_model: StepCostModel) -> tuple[float, float]:
         """(seconds, horizon) of speculating this step (SpeculationPolicy.switch_cost): the
         catch-up of the step's decoding sequences, and the mean number of tokens they have left
         (`max_tokens`; an end-of-sequence token may come sooner) to pay it back.
-        Seconds per caught-up token: the last catch-up's, or before any a plain step's time
-        per sequence at this batch (`cost_model`; a catch-up token is part of a large prefill,
-        never dearer than a decode token).
+        Seconds: one plain step per step-budget chunk (the weights are read once per forward)
+        plus, per token, the last large catch-up's seconds per token or, before one, the
+        cheapest per-token cost in `cost_model` (optimistic, so a first catch-up happens and
+        measures the real price).
         NOTE: the catch-up grows with the detached streak (~ batch x steps tokens), so a long
         detached stretch returns to speculation only where the gain repays it: without this
         price, a batch shrinking as requests finish tipped the policy back to speculation and
@@ -124,10 +150,12 @@ class LazyDraftContext:
             return 0.0, 1.0
         per_token = self.seconds_per_token
         if per_token is None:
-            per_token = cost_model.cost(batch_size, 1) / batch_size
+            per_token = cost_model.min_token_cost()
+        chunks = -(-pending // self.max_tokens)
         left = [s.max_tokens - len(s.output_token_ids)
                 for s, d in zip(self.step_seqs, self.step_decoding) if d]
-        return per_token * pending, max(1.0, sum(left) / max(1, len(left)))
+        return (chunks * cost_model.cost(1, 1) + per_token * pending,
+                max(1.0, sum(left) / max(1, len(left))))
 
     # -- catch-up -------------------------------------------------------------------------------
     def catch_up(self, seqs: list[Sequence]) -> None:
@@ -151,7 +179,8 @@ class LazyDraftContext:
         self.num_catchups += 1
         self.num_catchup_tokens += tokens
         self.catchup_seconds += secs
-        self.seconds_per_token = secs / tokens
+        if 2 * tokens >= self.max_tokens:
+            self.seconds_per_token = secs / tokens
 
     def _chunks(self, seqs: list[Sequence]) -> Iterator[list[tuple[Sequence, int, int]]]:
         """(sequence, start, end) pieces, at most `max_tokens` tokens per chunk."""

@@ -224,6 +224,8 @@ class LLMEngine:
         if not sched:
             return []
         t1 = time.perf_counter()
+        self.runner.num_unfinished_requests = len(self.scheduler.running) \
+            + len(self.scheduler.waiting)
         res = self.runner.execute(sched.seqs, sched.num_new_tokens)
         t2 = time.perf_counter()
         outputs = self._commit(sched, res)

@@ -93,7 +93,7 @@ class ModelRunner(MixedStepMixin):
         if self.staging is not None and config.lazy_draft_context:
             self.lazy = LazyDraftContext(model, proposer, block_manager, self.staging,
                                          self.trash_block, config.max_num_batched_tokens,
-                                         max_model_len, self.device)
+                                         max_model_len, config.max_num_seqs, self.device)
         self.decode = self.steps[self.max_block]  # the fixed policy's step (and the AR step)
         max_blocks = -(-(max_model_len + self.max_block) // block_manager.block_size)
         self.bufs = StepBuffers.allocate(config.max_num_seqs, max_blocks, self.max_block,
@@ -116,6 +116,8 @@ class ModelRunner(MixedStepMixin):
         self.graphs = self.graphs_by_len.get(self.max_block)  # compat: the max block's graphs
 
         self.timings = StepTimings()  # the runner's parts; the engine adds its own and steps
+        # Running + waiting requests, set by the engine before each step (the lazy load rule).
+        self.num_unfinished_requests = 0
         self.controller: SpecController | None = None
         self.cost_profile_info: dict | None = None
         if proposer is not None:
@@ -185,10 +187,13 @@ class ModelRunner(MixedStepMixin):
         n_dec = sum(decoding)
         L = 1
         lazy = self.lazy
+        n_policy = n_dec
+        if lazy is not None and self.controller is not None:
+            # NOTE: the policy prices a catch-up (switch_cost) from them
+            lazy.step_seqs, lazy.step_decoding = seqs, decoding
+            n_policy = lazy.policy_batch(n_dec, self.num_unfinished_requests, self.controller)
         if self.controller is not None and n_dec:
-            if lazy is not None:  # NOTE: the policy prices a catch-up (switch_cost) from them
-                lazy.step_seqs, lazy.step_decoding = seqs, decoding
-            L = self.controller.choose(n_dec)
+            L = self.controller.choose(n_policy)
         # Tokens verified per decoding sequence: its last token plus L - 1 drafts, cut at the end
         # of the context. Without a drafter, 0: decodes go through the plain paths.
         blens = [min(L, self.max_model_len - s.num_computed_tokens) if d and self.proposer

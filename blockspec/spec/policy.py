@@ -84,6 +84,11 @@ class StepCostModel:
         bmax, tmax = pts[-1]
         return tmax * batch_size / bmax
 
+    def min_token_cost(self) -> float:
+        """The cheapest measured seconds per verified token (t / (B x L) over the table): a
+        lower bound for a token of a large batched forward, such as a prefill."""
+        return min(t / (b * L) for L, pts in self._table.items() for b, t in pts)
+
     def to_json(self, key: Mapping[str, Any] | None = None) -> dict[str, Any]:
         return {"version": PROFILE_VERSION, "key": dict(key) if key is not None else None,
                 "times": {str(L): {str(b): t for b, t in pts} for L, pts in self._table.items()}}
