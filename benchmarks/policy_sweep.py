@@ -90,6 +90,14 @@ class Setup:
         return torch.randint(1, self.vocab, (n, self.input_len), generator=g).tolist()
 
 
+def lazy_counts(lazy) -> dict[str, float]:
+    """The lazy drafter context's counters (detached steps, catch-ups), to diff per run."""
+    if lazy is None:
+        return {}
+    return {"detached_steps": lazy.num_detached_steps, "catchups": lazy.num_catchups,
+            "catchup_tokens": lazy.num_catchup_tokens, "catchup_s": lazy.catchup_seconds}
+
+
 def run_generate(setup: Setup, llm: LLM, c: int, out_len: int, seed: int,
                  draws_seed: int | None = None) -> dict:
     """`draws_seed`: reseed the synthetic-acceptance draws first. NOTE: common random numbers:
@@ -100,7 +108,11 @@ def run_generate(setup: Setup, llm: LLM, c: int, out_len: int, seed: int,
     if draws_seed is not None:
         engine.runner.default_generator.manual_seed(draws_seed)
     before = Counter(engine.spec_stats.block_len_steps)
+    lazy = engine.runner.lazy
+    lazy0 = lazy_counts(lazy)
     r, outs = timed_generate(llm, setup.prompts(c, seed), out_len)
+    if lazy is not None:
+        r["lazy"] = {k: v - lazy0[k] for k, v in lazy_counts(lazy).items()}
     steps = Counter(engine.spec_stats.block_len_steps)
     steps.subtract(before)
     if engine.runner.proposer is not None:
