@@ -57,7 +57,7 @@ class Setup:
     """What differs between the H200 run and the CPU smoke run."""
 
     def __init__(self, smoke: bool, root: Path, cost_profile: str | None,
-                 lazy_draft_context: bool = False) -> None:
+                 lazy_draft_context: bool | None = None) -> None:
         self.smoke = smoke
         self.cost_profile = cost_profile
         self.lazy_draft_context = lazy_draft_context
@@ -147,9 +147,9 @@ def main() -> int:
     ap.add_argument("--c1-repeats", type=int, default=None,
                     help="timed runs at C=1 (default --repeats): one sequence's ~40 steps "
                          "leave its synthetic tau a coin toss, more runs pool more draws")
-    ap.add_argument("--lazy-draft-context", action="store_true",
-                    help="the speculative engine skips drafter work in long plain streaks "
-                         "(experimental)")
+    ap.add_argument("--lazy-draft-context", action=argparse.BooleanOptionalAction, default=None,
+                    help="the speculative engine's lazy drafter context (default: the engine's, "
+                         "on with the adaptive policy)")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny random models, < 1 minute")
     args = ap.parse_args()
     if args.repeats < 1 or (args.c1_repeats is not None and args.c1_repeats < 1):
@@ -174,7 +174,8 @@ def main() -> int:
         "input_len": setup.input_len, "output_len": out_len, "concurrency": cs,
         "acceptance": accs, "warmup_tokens": WARMUP_TOKENS, "prefix_caching": False,
         "repeats": args.repeats, "c1_repeats": args.c1_repeats or args.repeats,
-        "lazy_draft_context": args.lazy_draft_context,
+        "lazy_draft_context": "engine default" if args.lazy_draft_context is None
+        else args.lazy_draft_context,
     }
 
     def reps(c: int) -> int:

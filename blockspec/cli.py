@@ -49,9 +49,12 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="adaptive: each step runs plain decode or one of --block-sizes, "
                         "whichever the measured step costs and live acceptance say commits the "
                         "most tokens per second; fixed: always the max block")
-    d.add_argument("--lazy-draft-context", action="store_true",
-                   help="after a long plain-decode streak skip the drafter's context writes, and "
-                        "catch them up with one target pass before the drafter next runs")
+    d.add_argument("--lazy-draft-context", action=argparse.BooleanOptionalAction,
+                   default=None,
+                   help="while the policy decodes plainly (a long streak, or a load at which it "
+                        "would) skip all drafter work, and catch its context up with one target "
+                        "pass before the drafter next runs (default: on with the adaptive "
+                        "policy)")
     d.add_argument("--block-sizes", type=block_sizes_arg, default=None, metavar="4,8,16",
                    help="block lengths the adaptive policy may run (each gets CUDA graphs; "
                         "default: 4, 8, 16 up to the max block, plus the max block)")

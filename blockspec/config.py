@@ -211,9 +211,10 @@ class EngineConfig:
     # Step-cost profile file (adaptive mode). None: a cache file under ~/.cache/blockspec
     # (or $BLOCKSPEC_CACHE), keyed by what changes costs; "none" or "": measure every start.
     cost_profile: str | None = None
-    # With a drafter: after a long plain-decode streak, stop writing the drafter's context
-    # ("detached" mode) and catch it up with one eager target pass before the drafter next runs.
-    lazy_draft_context: bool = False
+    # With a drafter: while the policy decodes plainly (a long streak, or a load at which it
+    # would), stop writing the drafter's context ("detached" mode) and catch it up with one
+    # eager target pass before the drafter next runs. None: on with the adaptive policy.
+    lazy_draft_context: bool | None = None
     attention_backend: str = "auto"  # auto: triton on CUDA, torch on CPU
     # Benchmark-only: accept each draft position with this probability instead of checking it.
     # Output is then NOT the target's; `benchmark_mode=True` must be set to use it.
@@ -262,12 +263,20 @@ class EngineConfig:
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ConfigError("num_kv_blocks must be positive")
 
+    @property
+    def use_lazy_draft_context(self) -> bool:
+        """`lazy_draft_context`, resolved: None means on with a drafter and the adaptive policy
+        (the policy is what decides to decode plainly)."""
+        if self.lazy_draft_context is not None:
+            return self.lazy_draft_context
+        return self.draft is not None and self.speculation_policy == "adaptive"
+
     def _validate_speculation(self) -> None:
         if self.speculation_policy not in ("adaptive", "fixed"):
             raise ConfigError(f"speculation policy must be adaptive or fixed, got "
                               f"{self.speculation_policy!r}")
-        if not isinstance(self.lazy_draft_context, bool):
-            raise ConfigError(f"lazy_draft_context must be true or false, got "
+        if self.lazy_draft_context is not None and not isinstance(self.lazy_draft_context, bool):
+            raise ConfigError(f"lazy_draft_context must be true, false or None (auto), got "
                               f"{self.lazy_draft_context!r}")
         if self.lazy_draft_context and self.draft is None:
             raise ConfigError("lazy draft context defers the drafter's context writes: it needs "

@@ -1,4 +1,5 @@
-"""Lazy drafter context (lazy_draft_context): after DETACH_AFTER plain choices the engine runs no
+"""Lazy drafter context (lazy_draft_context, on by default with the adaptive policy): after
+DETACH_AFTER plain choices, or at a load where the policy would decode plainly, the engine runs no
 drafter work at all, and catches the drafter's context up before it next drafts. Greedy output
 stays the target's; the caught-up drafter pool is what one prefill writes (and would not be
 without the catch-up); the drafter sees the same context as without detaching; the
@@ -200,17 +201,27 @@ def test_prefix_hit_starts_without_context_and_is_caught_up(qwen3_path, drafter1
 
 
 def test_config_and_cli(qwen3_path, drafter16):
-    assert LLM(str(qwen3_path), device="cpu", num_kv_blocks=64, draft=str(drafter16),
-               cost_profile="none").engine.runner.lazy is None  # off by default
+    """On by default with the adaptive policy, off with the fixed one, either way on request."""
+    def lazy(**kw):
+        return LLM(str(qwen3_path), device="cpu", num_kv_blocks=64, draft=str(drafter16),
+                   cost_profile="none", **kw).engine.runner.lazy
+
+    assert lazy() is not None and lazy(lazy_draft_context=False) is None
+    assert lazy(speculation_policy="fixed") is None
+    assert lazy(speculation_policy="fixed", lazy_draft_context=True) is not None
+    assert LLM(str(qwen3_path), device="cpu", num_kv_blocks=64).engine.config \
+        .use_lazy_draft_context is False  # no drafter
     with pytest.raises(ConfigError, match="needs a draft model"):
         LLM(str(qwen3_path), device="cpu", lazy_draft_context=True)
-    with pytest.raises(ConfigError, match="true or false"):
+    with pytest.raises(ConfigError, match="true, false or None"):
         spec_llm(qwen3_path, drafter16, lazy_draft_context="yes")
     parser = build_parser()
     args = parser.parse_args(["generate", "--prompt", "x", "--lazy-draft-context"])
     assert engine_kwargs(args)["lazy_draft_context"] is True
-    args = parser.parse_args(["generate", "--prompt", "x"])
+    args = parser.parse_args(["generate", "--prompt", "x", "--no-lazy-draft-context"])
     assert engine_kwargs(args)["lazy_draft_context"] is False
+    args = parser.parse_args(["generate", "--prompt", "x"])
+    assert engine_kwargs(args)["lazy_draft_context"] is None
 
 
 def test_probe_pays_the_catch_up(qwen3_path, drafter16):

@@ -160,8 +160,10 @@ def test_max_block_when_verify_cheap_and_acceptance_high(models_root):
 
 
 def test_probe_after_plain_streak(qwen3_path, drafter):
-    """Plain decode wins, so the engine probes the smallest block after 32 plain steps."""
-    llm = spec_llm(qwen3_path, drafter)
+    """Plain decode wins, so the engine probes the smallest block after 32 plain steps (with the
+    drafter context kept whole: a detached engine's probe also pays a catch-up, see
+    test_lazy_context)."""
+    llm = spec_llm(qwen3_path, drafter, lazy_draft_context=False)
     llm.engine.runner.set_cost_model(flat_costs({1: 1.0, 4: 1.2, 8: 5.0, 16: 9.0}))
     ctl = llm.engine.runner.controller
     for _ in range(20):  # evidence: the first draft is never accepted

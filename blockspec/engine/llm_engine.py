@@ -99,7 +99,7 @@ class LLMEngine:
             if not config.enforce_eager:
                 lens = graphed_block_lens(adaptive, self.spec_block_lens,
                                           max(self.spec_block_size, 1))
-                if adaptive and config.lazy_draft_context:
+                if adaptive and config.use_lazy_draft_context:
                     lens.append(1)  # the detached plain step's own graphs
                 activation += graph_output_bytes(lens, graph_buckets(config.max_num_seqs),
                                                  mc.vocab_size, self.dtype)

@@ -90,7 +90,7 @@ class ModelRunner(MixedStepMixin):
                                           staging_rows(config.max_num_seqs), width, dtype,
                                           self.device)
         self.lazy: LazyDraftContext | None = None
-        if self.staging is not None and config.lazy_draft_context:
+        if self.staging is not None and config.use_lazy_draft_context:
             self.lazy = LazyDraftContext(model, proposer, block_manager, self.staging,
                                          self.trash_block, config.max_num_batched_tokens,
                                          max_model_len, config.max_num_seqs, self.device)
