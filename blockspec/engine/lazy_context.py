@@ -2,11 +2,13 @@
 
 With a drafter, every committed token normally gets its drafter context K/V (written from the
 target's tapped hidden states), so that any later step may draft. When the policy keeps choosing
-plain decode, those writes are pure overhead. After DETACH_AFTER consecutive plain choices the
-runner detaches: plain steps run a decode step built without the drafter (its own CUDA graphs),
-prefill and mixed steps skip the context write, and nothing is staged. Before the drafter next
-runs for a sequence, `catch_up` recomputes its missing context: one eager target pass over the
-tokens [num_draft_ctx_tokens, num_computed_tokens), whose taps are written to the drafter's pool.
+plain decode, those writes are pure overhead. After DETACH_AFTER consecutive plain choices, or
+at once when the policy would decode plainly at the engine's load (`policy_batch`), the runner
+detaches: plain steps run a decode step built without the drafter (its own CUDA graphs), prefill
+and mixed steps skip the context write, and nothing is staged. Before the drafter next runs for a
+sequence, `catch_up` recomputes its missing context: one eager target pass over the tokens
+[num_draft_ctx_tokens, num_computed_tokens), whose taps are written to the drafter's pool; the
+policy weighs that cost before it speculates again (`switch_cost`).
 
 NOTE (the invariant): whenever the drafter runs for a sequence, its drafter context is complete
 (num_draft_ctx_tokens == num_computed_tokens). The runner catches up every sequence the drafter
