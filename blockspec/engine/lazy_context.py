@@ -96,11 +96,12 @@ class LazyDraftContext:
         self.staging.flush()  # NOTE: staged rows are written (and counted) before detaching
         self.detached = True
 
-    def before_step(self, seqs: list[Sequence], blens: list[int], block_len: int,
+    def before_step(self, seqs: list[Sequence], blens: list[int] | None, block_len: int,
                     num_decoding: int, plain_decode: bool) -> None:
         """Decide whether this step runs detached, and make the drafter's context whole where
-        it will run. `plain_decode`: an all-decode step at L = 1 (the one that may stage)."""
-        if max(blens, default=0) >= 2:
+        it will run. `blens`: the step's block per sequence when the drafter runs, else None.
+        `plain_decode`: an all-decode step at L = 1 (the one that may stage)."""
+        if blens is not None:
             # NOTE: the drafter sees every sequence with a block (blens >= 1), even one cut to
             # a single token near the context end: all of them get a complete context. The
             # runner has flushed the staging already (it does before every drafting step).

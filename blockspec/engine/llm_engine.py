@@ -245,10 +245,11 @@ class LLMEngine:
             self.spec_stats.record_block_len(res.block_len)
         for seq, toks, lps, drafted, acc, blen in zip(res.sampled_seqs, res.tokens, res.logprobs,
                                                       res.drafted, res.accepted, res.block_lens):
-            seq.metrics.spec.record(drafted, acc)
-            self.spec_stats.record(drafted, acc)
-            if spec:
-                seq.metrics.spec.record_block_len(blen)
+            if drafted:  # NOTE: SpecStats.record ignores steps without drafts
+                seq.metrics.spec.record(drafted, acc)
+                self.spec_stats.record(drafted, acc)
+            if spec and blen >= 1:  # inline SpecStats.record_block_len: once per sequence
+                seq.metrics.spec.block_len_steps[blen] += 1
             reason = self._append(self.requests[seq.request_id], toks, lps, now)
             if reason is not None:
                 finishing[id(seq)] = reason

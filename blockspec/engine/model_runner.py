@@ -196,16 +196,25 @@ class ModelRunner(MixedStepMixin):
             L = self.controller.choose(n_policy)
         # Tokens verified per decoding sequence: its last token plus L - 1 drafts, cut at the end
         # of the context. Without a drafter, 0: decodes go through the plain paths.
-        blens = [min(L, self.max_model_len - s.num_computed_tokens) if d and self.proposer
-                 else 0 for s, d in zip(seqs, decoding)]
-        if max(blens, default=0) >= 2:
-            self.flush_context()  # NOTE: the drafter runs this step: its context must be whole
-        plain_decode = n_dec == len(seqs) and (self.proposer is None or all(b == L for b in blens))
+        # NOTE: at L = 1 (every step without a drafter) they are 1 (0 without a drafter) for
+        # decoding sequences, so the all-decode step needs no per-sequence pass here.
+        blens: list[int] | None = None
+        drafting = False
+        if L >= 2:
+            blens = [min(L, self.max_model_len - s.num_computed_tokens) if d else 0
+                     for s, d in zip(seqs, decoding)]
+            drafting = max(blens) >= 2
+            if drafting:
+                self.flush_context()  # NOTE: the drafter runs: its context must be whole
+        plain_decode = n_dec == len(seqs) and (blens is None or all(b == L for b in blens))
         if lazy is not None:
-            lazy.before_step(seqs, blens, L, n_dec, plain_decode and L == 1)
+            lazy.before_step(seqs, blens if drafting else None, L, n_dec, plain_decode and L == 1)
         if plain_decode:
             res = self._execute_decode(seqs, L)
         else:
+            if blens is None:
+                one = 1 if self.proposer is not None else 0
+                blens = [one if d else 0 for d in decoding]
             res = self._execute_mixed(seqs, num_new_tokens, blens)
         if lazy is not None and not lazy.detached \
                 and not (plain_decode and L == 1 and self.steps[1].defer_context):
