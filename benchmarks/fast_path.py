@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from blockspec import LLM, SamplingParams
+from blockspec.bench.offline import run_requests
 from blockspec.config import ModelConfig
 from blockspec.spec.checkpoint import new_drafter_config
 from blockspec.tiny import build_tokenizer
@@ -194,6 +195,28 @@ def run_generate(llm: LLM, c: int, out_len: int, seed: int = 0) -> dict:
     return timed_generate(llm, prompts(c, seed), out_len)[0]
 
 
+def timed_closed_loop(llm: LLM, prompt_ids: list, out_len: int, c: int) -> dict:
+    """Like `timed_generate`, but `len(prompt_ids)` requests through a closed loop that keeps
+    `c` in the engine (`blockspec bench offline`'s loop; vLLM's --max-concurrency): the
+    throughput of a sustained concurrency, where one batch's slowest sequence (speculation's
+    acceptance varies per sequence) no longer sets the end of the run."""
+    params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
+    torch.cuda.synchronize()
+    before = llm.engine.timings.copy()
+    records, dt, spec = run_requests(llm.engine, prompt_ids, params, c, "fp", show=False)
+    timings = llm.engine.timings.copy()
+    timings.add(before, sign=-1)
+    tokens = sum(r.output_tokens for r in records)
+    tpots = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in records
+             if r.latency is not None and r.ttft is not None and r.output_tokens > 1]
+    return {"output_tok_s": tokens / dt, "elapsed_s": dt, "output_tokens": tokens,
+            "requests": len(records), "closed_loop_concurrency": c,
+            "mean_tpot_ms": 1e3 * sum(tpots) / max(1, len(tpots)),
+            "mean_ttft_ms": 1e3 * sum(r.ttft or 0.0 for r in records) / max(1, len(records)),
+            "tau": spec.mean_acceptance_length if spec.num_steps else None,
+            "engine_steps": timings.steps, "step_ms": timings.per_step_ms()}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out-dir", required=True)
@@ -201,12 +224,15 @@ def main() -> int:
     ap.add_argument("--acceptance", type=float, default=0.86)
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--skip-eager", action="store_true", help="skip stages 3 and 5")
+    ap.add_argument("--waves", type=int, default=1,
+                    help="requests per level = waves x C, kept C at a time in a closed loop "
+                         "(default 1: C requests at once, the run ends with its slowest one)")
     ap.add_argument("--c1-repeats", type=int, default=1,
                     help="timed runs at C=1, pooled (one sequence's ~40 speculative steps leave "
                          "its synthetic tau a coin toss; more runs pool more draws)")
     args = ap.parse_args()
-    if args.c1_repeats < 1:
-        ap.error("--c1-repeats must be >= 1")
+    if args.c1_repeats < 1 or args.waves < 1:
+        ap.error("--c1-repeats and --waves must be >= 1")
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cs = [int(c) for c in args.concurrency.split(",")]
@@ -217,12 +243,14 @@ def main() -> int:
         "device": torch.cuda.get_device_name(), "torch": torch.__version__,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "input_len": INPUT_LEN, "output_len": OUTPUT_LEN, "synthetic_acceptance": args.acceptance,
-        "c1_repeats": args.c1_repeats,
+        "c1_repeats": args.c1_repeats, "waves": args.waves,
     }
 
     def timed(llm: LLM, c: int) -> dict:
         """The timed run(s) of one cell: fresh prompts per run, the same prompts for AR and
         DFlash."""
+        if args.waves > 1 and c > 1:
+            return timed_closed_loop(llm, prompts(args.waves * c, seed=1000 + c), OUTPUT_LEN, c)
         n = args.c1_repeats if c == 1 else 1
         return pool_runs([run_generate(llm, c, OUTPUT_LEN, seed=1000 + c + 7919 * k)
                           for k in range(n)])

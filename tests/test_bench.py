@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from blockspec import ConfigError, SamplingParams
+from blockspec import LLM, ConfigError, SamplingParams
 from blockspec.bench.datasets import (
     chat_messages,
     completion_prompt,
@@ -476,3 +476,24 @@ def test_bench_report_bad_input(tmp_path, capsys):
     assert_one_error_line(rc, err, "not a blockspec bench result")
     rc, _, err = run_cli(["report", str(tmp_path / "missing.json")], capsys)
     assert_one_error_line(rc, err, "does not exist")
+
+
+def test_fast_path_closed_loop_record(qwen3_path, monkeypatch):
+    """benchmarks/fast_path.py --waves: waves x C requests, C at a time; the record has the
+    fields the sweep reports, counted over every request."""
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import fast_path
+
+    monkeypatch.setattr(fast_path.torch.cuda, "synchronize", lambda: None)
+    llm = LLM(str(qwen3_path), device="cpu", num_kv_blocks=256)
+    in_flight, step = [], llm.engine.step
+
+    def counted():
+        in_flight.append(len(llm.engine.scheduler.running) + len(llm.engine.scheduler.waiting))
+        return step()
+
+    monkeypatch.setattr(llm.engine, "step", counted)
+    r = fast_path.timed_closed_loop(llm, [[1, 2, 3 + i] for i in range(6)], 5, 2)
+    assert r["requests"] == 6 and r["output_tokens"] == 30 and max(in_flight) == 2
+    assert r["output_tok_s"] == pytest.approx(30 / r["elapsed_s"])
+    assert r["tau"] is None and r["engine_steps"] >= 15 and r["mean_tpot_ms"] > 0
