@@ -46,7 +46,7 @@ class RequestMetrics:
         return (self.finished_time - self.first_token_time) / (self.num_generated_tokens - 1)
 
 
-@dataclass
+@dataclass(eq=False)  # NOTE: identity: the scheduler's `in` / `remove` never compare fields
 class Sequence:
     request_id: str
     prompt_token_ids: list[int]
