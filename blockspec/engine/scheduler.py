@@ -65,7 +65,10 @@ class Scheduler:
             slots = n + self.lookahead(remaining)
             if slots > budget:
                 break
-            while not self.block_manager.can_allocate(seq, slots):
+            # NOTE: a decoding sequence needs a new block only every block_size tokens, so the
+            # common case is needed == 0 (no allocation call at all).
+            needed = self.block_manager.num_blocks_needed(seq, slots)
+            while needed > self.block_manager.num_free_blocks:
                 victim = self.running[-1]
                 self._preempt(victim)
                 out.num_preempted += 1
@@ -73,7 +76,8 @@ class Scheduler:
                     break
             if seq.status != SequenceStatus.RUNNING:
                 break
-            self.block_manager.allocate(seq, slots)
+            if needed:
+                self.block_manager.allocate(seq, slots)
             out.seqs.append(seq)
             out.num_new_tokens.append(n)
             budget -= slots
