@@ -5,7 +5,6 @@ from __future__ import annotations
 import itertools
 import operator
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -21,6 +20,7 @@ from blockspec.engine.memory import (
     profile_activation_bytes,
 )
 from blockspec.engine.model_runner import ModelRunner
+from blockspec.engine.output_processor import OUTPUT_KINDS, EngineRequest, OutputProcessor
 from blockspec.engine.scheduler import Scheduler, SchedulerOutput
 from blockspec.engine.sequence import Sequence
 from blockspec.engine.speculation import resolve_block_lens
@@ -31,22 +31,6 @@ from blockspec.outputs import RequestOutput
 from blockspec.sampling_params import SamplingParams
 from blockspec.spec.metrics import SpecStats
 from blockspec.spec.proposer import DFlashProposer, load_drafter
-
-OUTPUT_KINDS = ("cumulative", "delta", "final_only")
-
-
-@dataclass
-class _Request:
-    seq: Sequence
-    prompt: str | None
-    detok: IncrementalDetokenizer
-    text: str = ""  # output text after stop-string truncation
-    emitted_chars: int = 0
-    emitted_tokens: int = 0
-    # NOTE: incremental detokenization costs two decodes per token; without streaming or stop
-    # strings the text is decoded once, when the request finishes.
-    incremental: bool = True
-    output_kind: str = "cumulative"  # see LLMEngine.add_request
 
 
 class LLMEngine:
@@ -116,7 +100,8 @@ class LLMEngine:
         self.runner = ModelRunner(config, mc, self.model, self.block_manager, self.dtype,
                                   self.max_model_len, proposer, self.spec_block_lens)
         self.spec_stats = SpecStats()
-        self.requests: dict[str, _Request] = {}
+        self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
+        self.requests = self.outputs.requests  # NOTE: the same dict (request id -> EngineRequest)
         self._ids = itertools.count()
 
     def _set_attention_backend(self, drafter: torch.nn.Module | None) -> None:
@@ -192,7 +177,7 @@ class LLMEngine:
             gen = torch.Generator(device=self.device)
             gen.manual_seed(params.seed)
         seq = Sequence(request_id, ids, params, max_tokens, generator=gen)
-        self.requests[request_id] = _Request(
+        self.requests[request_id] = EngineRequest(
             seq, prompt if isinstance(prompt, str) else None,
             IncrementalDetokenizer(self.tokenizer), incremental=stream or bool(params.stop_strs),
             output_kind=output_kind)
@@ -207,7 +192,7 @@ class LLMEngine:
         if req is None or req.seq.is_finished:
             return None
         self.scheduler.finish(req.seq, "abort")
-        return self._output(req)
+        return self.outputs.output(req)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
@@ -250,7 +235,7 @@ class LLMEngine:
                 self.spec_stats.record(drafted, acc)
             if spec and blen >= 1:  # inline SpecStats.record_block_len: once per sequence
                 seq.metrics.spec.block_len_steps[blen] += 1
-            reason = self._append(self.requests[seq.request_id], toks, lps, now)
+            reason = self.outputs.append(self.requests[seq.request_id], toks, lps, now)
             if reason is not None:
                 finishing[id(seq)] = reason
         for seq, adv in zip(sched.seqs, res.advance):
@@ -264,84 +249,5 @@ class LLMEngine:
                 self.scheduler.finish(seq, *finishing[id(seq)])
             req = self.requests[seq.request_id]
             if seq.is_finished or req.output_kind != "final_only":
-                outputs.append(self._output(req))
+                outputs.append(self.outputs.output(req))
         return outputs
-
-    def _append(self, req: _Request, tokens: list[int], logprobs: list[dict[int, float] | None],
-                now: float) -> tuple[str, str | int | None] | None:
-        """Append generated tokens one by one, stopping exactly where decoding would stop.
-        Returns (finish_reason, stop_reason) when the request is done."""
-        seq, params = req.seq, req.seq.params
-        if seq.metrics.first_token_time is None:
-            seq.metrics.first_token_time = now
-        for tok, lp in zip(tokens, logprobs):
-            seq.output_token_ids.append(tok)
-            seq.metrics.num_generated_tokens += 1
-            if lp is not None:
-                seq.logprobs.append(lp)
-            eos = not params.ignore_eos and tok in self.eos_token_ids
-            # NOTE: like vLLM, a stop token's own text is left out unless asked for.
-            stop_tok = eos or tok in params.stop_token_ids
-            keep = not stop_tok or params.include_stop_str_in_output
-            delta = 0
-            if req.incremental:
-                text = req.detok.add([tok] if keep else [], final=eos or not keep)
-                req.text += text
-                delta = len(text)
-            reason, stop = self._check_stop(req, tok, eos, delta)
-            if reason is not None:
-                if not req.incremental:
-                    ids = seq.output_token_ids if keep else seq.output_token_ids[:-1]
-                    req.text = self.tokenizer.decode(ids, skip_special_tokens=True)
-                return reason, stop
-        return None
-
-    def _check_stop(self, req: _Request, tok: int, eos: bool,
-                    delta_len: int) -> tuple[str | None, str | int | None]:
-        seq, params = req.seq, req.seq.params
-        if eos:
-            return "stop", None
-        if tok in params.stop_token_ids:
-            return "stop", tok
-        if delta_len and params.stop_strs:
-            longest = max(len(s) for s in params.stop_strs)
-            window_start = max(0, len(req.text) - delta_len - longest + 1)
-            hits = [(req.text.find(s, window_start), s) for s in params.stop_strs]
-            hits = [(i, s) for i, s in hits if i >= 0]
-            if hits:
-                i, s = min(hits)
-                req.text = req.text[: i + len(s)] if params.include_stop_str_in_output \
-                    else req.text[:i]
-                return "stop", s
-        if len(seq.output_token_ids) >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
-            if req.incremental:
-                req.text += req.detok.add([], final=True)
-            return "length", None
-        return None, None
-
-    def _output(self, req: _Request) -> RequestOutput:
-        seq = req.seq
-        finished = seq.is_finished
-        # NOTE: while streaming, hold back text that could be the start of a stop string.
-        hold = 0 if finished else max((len(s) - 1 for s in seq.params.stop_strs), default=0)
-        visible = max(req.emitted_chars, len(req.text) - hold)
-        delta_text = req.text[req.emitted_chars:visible]
-        req.emitted_chars = visible
-        start = req.emitted_tokens
-        delta_ids = seq.output_token_ids[start:]
-        req.emitted_tokens = len(seq.output_token_ids)
-        want_lp = seq.params.logprobs is not None
-        if req.output_kind == "delta" and not finished:
-            text, ids, lps = delta_text, delta_ids, seq.logprobs[start:] if want_lp else None
-        else:
-            text, ids = req.text[:visible], list(seq.output_token_ids)
-            lps = list(seq.logprobs) if want_lp else None
-        out = RequestOutput(
-            request_id=seq.request_id, prompt=req.prompt,
-            prompt_token_ids=seq.prompt_token_ids, text=text, token_ids=ids, finished=finished,
-            finish_reason=seq.finish_reason, stop_reason=seq.stop_reason, logprobs=lps,
-            metrics=seq.metrics, delta_text=delta_text, delta_token_ids=delta_ids,
-        )
-        if finished:
-            del self.requests[seq.request_id]
-        return out

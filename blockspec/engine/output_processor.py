@@ -1,0 +1,118 @@
+"""Committed tokens into requests: stop checks, detokenization and RequestOutputs by output kind
+(vLLM's OutputProcessor). The engine appends each step's tokens here and asks for the outputs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from blockspec.engine.detokenizer import IncrementalDetokenizer
+from blockspec.engine.sequence import Sequence
+from blockspec.outputs import RequestOutput
+
+OUTPUT_KINDS = ("cumulative", "delta", "final_only")
+
+
+@dataclass
+class EngineRequest:
+    seq: Sequence
+    prompt: str | None
+    detok: IncrementalDetokenizer
+    text: str = ""  # output text after stop-string truncation
+    emitted_chars: int = 0
+    emitted_tokens: int = 0
+    # NOTE: incremental detokenization costs two decodes per token; without streaming or stop
+    # strings the text is decoded once, when the request finishes.
+    incremental: bool = True
+    output_kind: str = "cumulative"  # one of OUTPUT_KINDS, see LLMEngine.add_request
+
+
+class OutputProcessor:
+    """The engine's requests (by id) and what turns their committed tokens into outputs."""
+
+    def __init__(self, tokenizer: Any, eos_token_ids: tuple[int, ...] | set[int],
+                 max_model_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.requests: dict[str, EngineRequest] = {}
+
+    def append(self, req: EngineRequest, tokens: list[int],
+               logprobs: list[dict[int, float] | None], now: float
+               ) -> tuple[str, str | int | None] | None:
+        """Append generated tokens one by one, stopping exactly where decoding would stop.
+        Returns (finish_reason, stop_reason) when the request is done."""
+        seq, params = req.seq, req.seq.params
+        if seq.metrics.first_token_time is None:
+            seq.metrics.first_token_time = now
+        for tok, lp in zip(tokens, logprobs):
+            seq.output_token_ids.append(tok)
+            seq.metrics.num_generated_tokens += 1
+            if lp is not None:
+                seq.logprobs.append(lp)
+            eos = not params.ignore_eos and tok in self.eos_token_ids
+            # NOTE: like vLLM, a stop token's own text is left out unless asked for.
+            stop_tok = eos or tok in params.stop_token_ids
+            keep = not stop_tok or params.include_stop_str_in_output
+            delta = 0
+            if req.incremental:
+                text = req.detok.add([tok] if keep else [], final=eos or not keep)
+                req.text += text
+                delta = len(text)
+            reason, stop = self._check_stop(req, tok, eos, delta)
+            if reason is not None:
+                if not req.incremental:
+                    ids = seq.output_token_ids if keep else seq.output_token_ids[:-1]
+                    req.text = self.tokenizer.decode(ids, skip_special_tokens=True)
+                return reason, stop
+        return None
+
+    def _check_stop(self, req: EngineRequest, tok: int, eos: bool,
+                    delta_len: int) -> tuple[str | None, str | int | None]:
+        seq, params = req.seq, req.seq.params
+        if eos:
+            return "stop", None
+        if tok in params.stop_token_ids:
+            return "stop", tok
+        if delta_len and params.stop_strs:
+            longest = max(len(s) for s in params.stop_strs)
+            window_start = max(0, len(req.text) - delta_len - longest + 1)
+            hits = [(req.text.find(s, window_start), s) for s in params.stop_strs]
+            hits = [(i, s) for i, s in hits if i >= 0]
+            if hits:
+                i, s = min(hits)
+                req.text = req.text[: i + len(s)] if params.include_stop_str_in_output \
+                    else req.text[:i]
+                return "stop", s
+        if len(seq.output_token_ids) >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+            if req.incremental:
+                req.text += req.detok.add([], final=True)
+            return "length", None
+        return None, None
+
+    def output(self, req: EngineRequest) -> RequestOutput:
+        seq = req.seq
+        finished = seq.is_finished
+        # NOTE: while streaming, hold back text that could be the start of a stop string.
+        hold = 0 if finished else max((len(s) - 1 for s in seq.params.stop_strs), default=0)
+        visible = max(req.emitted_chars, len(req.text) - hold)
+        delta_text = req.text[req.emitted_chars:visible]
+        req.emitted_chars = visible
+        start = req.emitted_tokens
+        delta_ids = seq.output_token_ids[start:]
+        req.emitted_tokens = len(seq.output_token_ids)
+        want_lp = seq.params.logprobs is not None
+        if req.output_kind == "delta" and not finished:
+            text, ids, lps = delta_text, delta_ids, seq.logprobs[start:] if want_lp else None
+        else:
+            text, ids = req.text[:visible], list(seq.output_token_ids)
+            lps = list(seq.logprobs) if want_lp else None
+        out = RequestOutput(
+            request_id=seq.request_id, prompt=req.prompt,
+            prompt_token_ids=seq.prompt_token_ids, text=text, token_ids=ids, finished=finished,
+            finish_reason=seq.finish_reason, stop_reason=seq.stop_reason, logprobs=lps,
+            metrics=seq.metrics, delta_text=delta_text, delta_token_ids=delta_ids,
+        )
+        if finished:
+            del self.requests[seq.request_id]
+        return out
