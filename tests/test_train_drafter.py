@@ -289,7 +289,7 @@ def test_bad_input_ids_row_is_a_config_error(tmp_path, qwen3_path):
 
 
 def test_cut_prompts_windows():
-    from blockspec.train.generate_data import cut_prompts
+    from blockspec.train.generate_data import WINDOW_CHARS_PER_TOKEN, cut_prompts
 
     docs = [list(range(100)), [7, 8, 9]]
     prompts = cut_prompts(docs, 50, 10, seed=0)
@@ -298,17 +298,27 @@ def test_cut_prompts_windows():
         assert p == [7, 8, 9] or (len(p) == 10 and p == list(range(p[0], p[0] + 10)))
     with pytest.raises(ConfigError):
         cut_prompts([[]], 1, 4, seed=0)
-    # text documents: only the drawn ones are tokenised
+    # Text documents: a short one is tokenised whole and once; a long one only in a window around
+    # a random offset (its edge tokens dropped), so no prompt pays for the whole document.
     seen = []
 
     def tokenize(text):
         seen.append(text)
         return [ord(c) for c in text]
 
-    texts = ["a" * 40, "b" * 40, "c" * 4000]
-    prompts = cut_prompts(texts, 5, 8, seed=1, tokenize=tokenize)
-    assert len(prompts) == 5 and all(len(p) == 8 for p in prompts)
-    assert len(seen) == len(set(seen)) <= 3 and "c" * 4000 in seen
+    long_doc = "".join(chr(0x100 + k) for k in range(4000))
+    texts = ["a" * 40, "b" * 40, long_doc]
+    prompts = cut_prompts(texts, 40, 8, seed=1, tokenize=tokenize)
+    assert len(prompts) == 40 and all(len(p) == 8 for p in prompts)
+    assert prompts == cut_prompts(texts, 40, 8, seed=1, tokenize=tokenize)  # seeded
+    span = WINDOW_CHARS_PER_TOKEN * 10
+    windows = [t for t in seen if t[0] >= chr(0x100)]
+    assert windows and all(len(t) == span for t in windows)  # never the whole long document
+    whole = [t for t in seen if t[0] < chr(0x100)]
+    assert len(whole) == 2 * len(set(whole))  # each short document once per call
+    for p in prompts:  # 8 consecutive tokens of one document, inside the window's edges
+        text = "".join(map(chr, p))
+        assert text in ("a" * 8, "b" * 8) or (text in long_doc and text != long_doc[:8])
 
 
 def test_generate_data_writes_target_greedy_ids(tmp_path, qwen3_path):
