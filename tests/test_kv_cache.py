@@ -284,6 +284,23 @@ def test_scheduler_chunks_prefill_to_the_token_budget():
     assert out.total_tokens == 8
 
 
+def test_scheduler_budget_lookahead_counts_fewer_tokens_but_keeps_the_blocks():
+    """A decoding sequence reserves its drafts' K/V blocks (num_lookahead_slots) whatever the
+    budget_lookahead, but counts only budget_lookahead of them against the token budget, so a
+    waiting prefill gets the rest of the step."""
+    for budget_lookahead, chunks in ((7, [1, 2]), (0, [1, 8])):
+        bm = BlockManager(64, BS, enable_prefix_caching=False)
+        sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=10, num_lookahead_slots=7)
+        a = make_seq(range(1, 4), "a")
+        sched.add(a)
+        step(sched)  # a's prefill; a now decodes
+        sched.add(make_seq(range(1, 9), "b"))
+        sched.budget_lookahead = budget_lookahead
+        out = sched.schedule()
+        assert [s.request_id for s in out.seqs] == ["a", "b"] and out.num_new_tokens == chunks
+        assert len(a.block_table) == bm.blocks_for(a.num_computed_tokens + 1 + 7)
+
+
 def test_scheduler_preempts_newest_first():
     bm = BlockManager(6, BS, enable_prefix_caching=False)
     sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=100)

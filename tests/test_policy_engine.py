@@ -85,6 +85,35 @@ def test_greedy_identical_whatever_block_lengths(qwen3_path, drafter, prompts, a
     assert_no_leaks(llm)
 
 
+def test_token_budget_follows_the_policys_last_choice(qwen3_path, drafter, prompts, ar_ref):
+    """The scheduler reserves draft tokens in the step budget for the policy's last choice only:
+    after a plain choice a prefill chunk takes them, and a step that also prefills then verifies
+    at most what was reserved. No step exceeds max_num_batched_tokens; output stays the
+    target's."""
+    llm = spec_llm(qwen3_path, drafter, max_num_batched_tokens=64)
+    force_cycle(llm, [1, 1, 16, 1, 8, 1, 1, 4])
+    r, execute, steps = llm.engine.runner, llm.engine.runner.execute, []
+
+    def spy(seqs, num_new_tokens):
+        decoding = [n == 1 and s.num_computed_tokens == s.num_tokens - 1
+                    for s, n in zip(seqs, num_new_tokens)]
+        budgeted = r.budget_block_len
+        res = execute(seqs, num_new_tokens)
+        prefill = sum(n for n, d in zip(num_new_tokens, decoding) if not d)
+        steps.append((prefill, sum(decoding), max(res.block_len, 1), budgeted, r.last_block_len))
+        return res
+
+    r.execute = spy
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == ar_ref
+    assert all(p + d * L <= 64 for p, d, L, _, _ in steps)
+    mixed = [(L, b, chosen) for p, d, L, b, chosen in steps if p and d]
+    assert all(L <= b for L, b, _ in mixed)
+    assert any(L < chosen for L, _, chosen in mixed)  # a speculative choice cut to the budget
+    # After a plain choice, prefill chunks get what 16-token blocks would have reserved.
+    assert any(p + d > 64 - 15 * d for p, d, _, b, _ in steps if p and d and b == 1)
+    assert_no_leaks(llm)
+
+
 def _cache_rows(llm: LLM, seq, n: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Target and drafter K/V of positions [0, n) of a running sequence."""
     slots = torch.tensor([llm.engine.block_manager.slot(seq, p) for p in range(n)])

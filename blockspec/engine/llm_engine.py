@@ -205,6 +205,8 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
+        self.scheduler.budget_lookahead = min(self.runner.next_budget_lookahead(),
+                                              self.scheduler.num_lookahead_slots)
         sched = self.scheduler.schedule()
         if not sched:
             return []

@@ -118,6 +118,10 @@ class ModelRunner(MixedStepMixin):
         self.timings = StepTimings()  # the runner's parts; the engine adds its own and steps
         # Running + waiting requests, set by the engine before each step (the lazy load rule).
         self.num_unfinished_requests = 0
+        # The policy's last choice, and the block length the scheduler budgeted this step for
+        # (see next_budget_lookahead).
+        self.last_block_len = self.max_block
+        self.budget_block_len = self.max_block
         self.controller: SpecController | None = None
         self.cost_profile_info: dict | None = None
         if proposer is not None:
@@ -193,7 +197,9 @@ class ModelRunner(MixedStepMixin):
             lazy.step_seqs, lazy.step_decoding = seqs, decoding
             n_policy = lazy.policy_batch(n_dec, self.num_unfinished_requests, self.controller)
         if self.controller is not None and n_dec:
-            L = self.controller.choose(n_policy)
+            L = self.last_block_len = self.controller.choose(n_policy)
+            if L > self.budget_block_len:
+                L = self._fit_budget(L, n_dec, len(seqs))
         # Tokens verified per decoding sequence: its last token plus L - 1 drafts, cut at the end
         # of the context. Without a drafter, 0: decodes go through the plain paths.
         # NOTE: at L = 1 (every step without a drafter) they are 1 (0 without a drafter) for
@@ -223,6 +229,22 @@ class ModelRunner(MixedStepMixin):
         if self.controller is not None and n_dec:
             self.controller.observe(L, res.drafted, res.accepted)
         return res
+
+    def next_budget_lookahead(self) -> int:
+        """Lookahead tokens per decoding sequence for the next step's token budget (the
+        scheduler's budget_lookahead): the policy's last choice - 1, since a policy that just
+        chose plain decode will likely again, and a prefill chunk then keeps the tokens."""
+        self.budget_block_len = self.last_block_len
+        return self.last_block_len - 1
+
+    def _fit_budget(self, L: int, num_decoding: int, num_seqs: int) -> int:
+        """The chosen block cut to what the step's token budget holds. NOTE: a step that also
+        prefills has room for the budgeted block only; an all-decode step for any block that
+        keeps num_decoding x L within max_num_batched_tokens (the forward the engine profiled),
+        rounded down to a block length with graphs."""
+        limit = self.budget_block_len if num_decoding < num_seqs else max(
+            self.budget_block_len, self.config.max_num_batched_tokens // num_decoding)
+        return max([1, *(x for x in self.spec_lens if x <= min(L, limit))])
 
     def _execute_decode(self, seqs: list[Sequence], q: int) -> StepResult:
         """All sequences decoding with a block of `q`: the fixed-shape (graphable) step."""

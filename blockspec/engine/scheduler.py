@@ -37,6 +37,12 @@ class Scheduler:
                  max_num_batched_tokens: int, num_lookahead_slots: int = 0) -> None:
         self.block_manager = block_manager
         self.num_lookahead_slots = num_lookahead_slots
+        # Lookahead tokens a decoding sequence counts against the step's token budget (at most
+        # num_lookahead_slots, whose K/V blocks are allocated regardless): the engine lowers it
+        # when the next step will likely decode plainly, so prefill chunks are not cut for drafts
+        # that will not run. NOTE: the runner then verifies at most budget_lookahead + 1 tokens
+        # per sequence in a step that also prefills (SchedulerOutput.max_block_len).
+        self.budget_lookahead = num_lookahead_slots
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -63,7 +69,8 @@ class Scheduler:
             remaining = seq.num_tokens - seq.num_computed_tokens
             n = min(remaining, budget)
             slots = n + self.lookahead(remaining)
-            if slots > budget:
+            cost = n + min(slots - n, self.budget_lookahead)
+            if cost > budget:
                 break
             # NOTE: a decoding sequence needs a new block only every block_size tokens, so the
             # common case is needed == 0 (no allocation call at all).
@@ -80,7 +87,7 @@ class Scheduler:
                 self.block_manager.allocate(seq, slots)
             out.seqs.append(seq)
             out.num_new_tokens.append(n)
-            budget -= slots
+            budget -= cost
             i += 1
 
         # NOTE: admit nothing new in a step that had to preempt: the cache is under pressure.
