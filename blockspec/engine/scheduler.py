@@ -41,7 +41,7 @@ class Scheduler:
         # num_lookahead_slots, whose K/V blocks are allocated regardless): the engine lowers it
         # when the next step will likely decode plainly, so prefill chunks are not cut for drafts
         # that will not run. NOTE: the runner then verifies at most budget_lookahead + 1 tokens
-        # per sequence in a step that also prefills (SchedulerOutput.max_block_len).
+        # per sequence in a step that also prefills (ModelRunner.budget_block_len).
         self.budget_lookahead = num_lookahead_slots
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
