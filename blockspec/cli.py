@@ -162,6 +162,16 @@ def cmd_generate(args: argparse.Namespace) -> int:
             print(f"[blockspec] speculation policy {engine.config.speculation_policy}: decode "
                   f"steps by block length (1 = plain) {spec.block_len_summary()}",
                   file=sys.stderr)
+            view = engine.runner.controller.explain(1)
+            if "rates" in view:
+                # NOTE: why the policy chose what it chose, e.g. plain decode on a CPU, where a
+                # verify of 16 tokens costs several plain steps.
+                rates = ", ".join(f"{'plain' if L == 1 else f'block {L}'} {r:.0f}"
+                                  for L, r in sorted(view["rates"].items()))
+                first = view["acceptance"][0] if view["acceptance"] else 0.0
+                print(f"[blockspec] policy's view at batch 1 (measured step costs, acceptance "
+                      f"estimate {first:.2f} at position 1): expected tok/s {rates}",
+                      file=sys.stderr)
             lazy = engine.runner.lazy
             if lazy is not None:
                 print(f"[blockspec] lazy draft context: {lazy.num_detached_steps} detached steps, "

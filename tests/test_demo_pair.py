@@ -41,6 +41,11 @@ def test_generate_without_model_runs_the_pair(capsys):
                  "cpu", "--verbose", "--speculation-policy", "fixed"]) == 0
     out = capsys.readouterr()
     assert "demo pair" in out.err and "acceptance" in (out.out + out.err).lower()
+    # The adaptive policy (the default) also says why it chose what it chose.
+    assert main(["generate", "--prompt", "def add(a, b):", "--max-tokens", "4", "--device",
+                 "cpu", "--verbose", "--cost-profile", "none"]) == 0
+    err = capsys.readouterr().err
+    assert "policy's view at batch 1" in err and "expected tok/s plain" in err
 
 
 def test_demo_pair_speculation_is_lossless():
