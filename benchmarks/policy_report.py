@@ -9,6 +9,12 @@ CONFIGS = (("fixed 4", "fixed", 4), ("fixed 8", "fixed", 8), ("fixed 16", "fixed
            ("adaptive", "adaptive", None))
 
 
+def spread(cell: dict) -> float | None:
+    """(max - min) / mean of a pooled cell's per-run output tok/s (None for a single run)."""
+    runs = [r["output_tok_s"] for r in cell.get("runs", [])]
+    return (max(runs) - min(runs)) * len(runs) / sum(runs) if len(runs) > 1 else None
+
+
 def summarize(res: dict) -> None:
     """Ratios per C and their minima, and the markdown table."""
     plain = res.get("plain", {})
@@ -61,6 +67,17 @@ def summarize(res: dict) -> None:
     for k in ("policy_min_vs_plain", "policy_min_vs_best", "policy_c1_a086_vs_fixed16"):
         if k in res:
             head.append(f"- {k}: {res[k]:.3f}")
+    # C=1 is left out: its runs differ by their synthetic draws (one sequence each), not noise.
+    cells = {"plain": [spread(x) for c, x in plain.items() if c != "C=1"],
+             "adaptive": [spread(x.get("adaptive", {})) for per_a in res.get("spec", {}).values()
+                          for c, x in per_a.items() if c != "C=1"]}
+    cells = {k: [x for x in v if x is not None] for k, v in cells.items()}
+    if any(cells.values()):
+        # NOTE: the noise the ratios sit in: identical runs of one cell differ by this much.
+        res["max_run_spread"] = {k: max(v) for k, v in cells.items() if v}
+        head.append("- run-to-run spread of a cell's repeats ((max - min) / mean), largest: "
+                    + ", ".join(f"{k} {v:.1%}" for k, v in res["max_run_spread"].items())
+                    + " (C > 1)")
     if "plain_step_overhead" in res:
         head.append("- plain step with drafter context / without drafter, by batch: " + ", ".join(
             f"B={b} {v:.3f}x" for b, v in res["plain_step_overhead"].items()))

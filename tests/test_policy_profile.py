@@ -210,3 +210,23 @@ def test_policy_sweep_smoke(tmp_path):
         {"1", "4", "8", "16"}
     assert (tmp_path / "policy_sweep.png").stat().st_size > 0
     assert "adaptive / best" in (tmp_path / "policy_sweep.md").read_text()
+
+
+def test_policy_report_run_spread(monkeypatch):
+    """The report states how far a cell's identical runs (C > 1) lie apart: the noise that the
+    adaptive/plain ratios sit in. C=1 runs differ by their synthetic draws and are left out."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    from policy_report import spread, summarize
+
+    def cell(*tok_s):
+        runs = [{"output_tok_s": t} for t in tok_s]
+        return {"output_tok_s": sum(tok_s) / len(tok_s), "runs": runs} if len(runs) > 1 \
+            else runs[0]
+
+    assert spread(cell(90.0, 110.0)) == pytest.approx(0.2) and spread(cell(5.0)) is None
+    res = {"benchmark": "b", "command": "c", "device": "d", "torch": "t", "date": "x",
+           "plain": {"C=1": cell(10.0, 30.0), "C=8": cell(95.0, 105.0)},
+           "spec": {"a=0.6": {c: {"adaptive": cell(100.0, 100.0)} for c in ("C=1", "C=8")}}}
+    summarize(res)
+    assert res["max_run_spread"] == {"plain": pytest.approx(0.1), "adaptive": 0.0}
+    assert "plain 10.0%, adaptive 0.0%" in res["table_md"]
