@@ -88,9 +88,7 @@ def main() -> int:
                 # NOTE: one prompt alone says little about a real drafter's acceptance: C=1
                 # runs every prompt by itself, pooled (total tokens / total time).
                 runs = [run(llm, [p], a.output_len) for p in base]
-                r = pool_runs([x for x, _ in runs])
-                r["block_len_steps"] = dict(sum((Counter(x["block_len_steps"]) for x, _ in runs),
-                                                Counter()))
+                r = pool_runs([x for x, _ in runs])  # NOTE: sums block_len_steps too
                 toks = [t for _, ts in runs for t in ts]
             else:
                 r, toks = run(llm, ps, a.output_len)

@@ -39,10 +39,6 @@ def spec_llm(qwen3_path, drafter16, **kw) -> LLM:
     return cpu_llm(qwen3_path, drafter16, **{"speculation_policy": "fixed", **kw})
 
 
-
-
-
-
 def drafter_rows(llm: LLM, slots: list[int]) -> torch.Tensor:
     return llm.engine.runner.proposer.kv_cache.flatten(2, 3)[:, :, slots].clone()
 

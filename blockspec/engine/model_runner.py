@@ -222,9 +222,10 @@ class ModelRunner(MixedStepMixin):
                 one = 1 if self.proposer is not None else 0
                 blens = [one if d else 0 for d in decoding]
             res = self._execute_mixed(seqs, num_new_tokens, blens)
-        if lazy is not None and not lazy.detached \
-                and not (plain_decode and L == 1 and self.steps[1].defer_context):
-            lazy.count_written(seqs, res.advance)  # NOTE: staged rows count when flushed
+        if lazy is not None and not lazy.detached and not (plain_decode and L == 1):
+            # NOTE: an attached plain step staged its rows (a drafter exists, so steps[1] defers
+            # its context): they count when flushed.
+            lazy.count_written(seqs, res.advance)
         res.block_len = L if n_dec else 0
         if self.controller is not None and n_dec:
             self.controller.observe(L, res.drafted, res.accepted)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 
 from blockspec.engine.sequence import Sequence
 
@@ -29,7 +29,9 @@ class StepTimings:
     NOTE: the engine syncs with the device once per step, so host time is not hidden behind the
     device: at large batches `schedule + runner_host + postprocess` is what a faster host would
     win. `device_wait` is the time the host blocked at the step's one sync (on a GPU: the device
-    still running the step; on CPU ~0, the work is in `runner_host`)."""
+    still running the step; on CPU ~0, the work is in `runner_host`). In an eager (prefill or
+    mixed) step a host-to-device copy issued mid-step waits for the stream, so there
+    `runner_host` holds device time too; graphed decode steps split cleanly."""
 
     steps: int = 0
     schedule: float = 0.0  # scheduler: admission, preemption, block allocation
@@ -42,7 +44,7 @@ class StepTimings:
             setattr(self, f.name, getattr(self, f.name) + sign * getattr(other, f.name))
 
     def copy(self) -> StepTimings:
-        return StepTimings(**{f.name: getattr(self, f.name) for f in fields(self)})
+        return replace(self)
 
     def per_step_ms(self) -> dict[str, float]:
         """Mean milliseconds per step for each part (empty before the first step)."""

@@ -55,7 +55,7 @@ def load_weights(model: nn.Module, path: str | Path, ignore_prefixes: tuple[str,
             for name in f.keys():
                 if name.endswith(_IGNORED_SUFFIXES) or name.startswith(ignore_prefixes):
                     continue
-                if _map_name(name, packed)[0] not in params and name == "lm_head.weight":
+                if name == "lm_head.weight" and name not in params:
                     continue  # tied embeddings: the model has no lm_head of its own
                 try:
                     loaded.add(copy_weight(model, name, f.get_tensor(name), params))
