@@ -17,11 +17,14 @@ def spread(cell: dict) -> float | None:
 
 def summarize(res: dict) -> None:
     """Ratios per C and their minima, and the markdown table."""
-    plain = res.get("plain", {})
     ratios: dict = {}
     lines = []
     for a_key, runs in res.get("spec", {}).items():
-        cs = [c for c in plain if c in runs and "adaptive" in runs[c]]
+        # NOTE: plain decoding as timed alongside this a's runs where the sweep did (runs[c]
+        # ["plain"]), else the sweep's one plain table (results of older sweeps).
+        plain = {c: x["plain"] if "plain" in x else res.get("plain", {}).get(c)
+                 for c, x in runs.items()}
+        cs = [c for c in plain if plain[c] is not None and "adaptive" in runs[c]]
         if not cs:
             continue
         lines += [f"### synthetic acceptance a={a_key[2:]}", "",
@@ -68,7 +71,7 @@ def summarize(res: dict) -> None:
         if k in res:
             head.append(f"- {k}: {res[k]:.3f}")
     # C=1 is left out: its runs differ by their synthetic draws (one sequence each), not noise.
-    cells = {"plain": [spread(x) for c, x in plain.items() if c != "C=1"],
+    cells = {"plain": [spread(x) for c, x in res.get("plain", {}).items() if c != "C=1"],
              "adaptive": [spread(x.get("adaptive", {})) for per_a in res.get("spec", {}).values()
                           for c, x in per_a.items() if c != "C=1"]}
     cells = {k: [x for x in v if x is not None] for k, v in cells.items()}
@@ -105,7 +108,8 @@ def plot(res: dict, path: Path) -> None:
     for ax, (a_key, runs) in zip(axes[0], spec.items()):
         cs = [c for c in plain if c in runs]
         xs = [int(c[2:]) for c in cs]
-        ax.plot(xs, [plain[c]["output_tok_s"] for c in cs], "k--o", label="plain (no drafter)")
+        ax.plot(xs, [runs[c].get("plain", plain[c])["output_tok_s"] for c in cs], "k--o",
+                label="plain (no drafter)")
         for name, _, _ in CONFIGS:
             pts = [(x, runs[c][name]["output_tok_s"]) for x, c in zip(xs, cs) if name in runs[c]]
             if pts:

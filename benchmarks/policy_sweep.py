@@ -2,16 +2,19 @@
 
 Random weights of real shapes (Qwen3-8B target, 5-layer DFlash drafter with block 16, bf16,
 `load_format=dummy`, the folders of benchmarks/fast_path.py), input 512 / output --output-len
-tokens, C in --concurrency, no prefix caching, fresh prompts per run:
-  1. plain decoding: the engine WITHOUT a drafter, every C;
+tokens, C in --concurrency, no prefix caching, fresh prompts per run, two engines loaded side by
+side (36 GiB of KV cache each):
+  1. plain decoding: the engine WITHOUT a drafter;
   2. ONE speculative engine (block sizes 4, 8, 16, graphs for each, start-up cost profile) in the
      LABELLED synthetic-acceptance mode (each draft position accepted with probability a; the
-     text is not the target's, this mode exists for system timings only). For each a in
-     --acceptance and each C: fixed 4, fixed 8, fixed 16 and adaptive, switched at run time
-     (`runner.set_policy`, `runner.set_synthetic_acceptance`), each after an 8-token warm-up at
-     that C.
-Per C: adaptive / plain and adaptive / best of {plain, fixed 4, 8, 16}; their minima over the
-sweep (`policy_min_vs_plain`, `policy_min_vs_best`) and adaptive / fixed 16 at C=1, a=0.86.
+     text is not the target's, this mode exists for system timings only): fixed 4, fixed 8,
+     fixed 16 and adaptive, switched at run time (`runner.set_policy`,
+     `runner.set_synthetic_acceptance`).
+For each a in --acceptance and each C, after an 8-token warm-up of each engine at that C, the
+five configs run round-robin (--repeats rounds, the order rotated each round), so plain and
+adaptive are timed minutes apart at most. Per C: adaptive / plain (the plain runs of the same
+a) and adaptive / best of {plain, fixed 4, 8, 16}; their minima over the sweep
+(`policy_min_vs_plain`, `policy_min_vs_best`) and adaptive / fixed 16 at C=1, a=0.86.
 Writes policy_sweep.json, policy_sweep.md and policy_sweep.png to --out-dir after every run.
 
 Usage: python benchmarks/policy_sweep.py --out-dir DIR [--concurrency 1,8,32,64,128,256]
@@ -205,40 +208,47 @@ def main() -> int:
     r = plain.engine.runner
     res["plain_step_times"] = measure_costs(r, profile_buckets(r), profile_context(r)) \
         .to_json()["times"]["1"]
-    res["plain"] = {}
-    for c in cs:
-        run_generate(setup, plain, c, WARMUP_TOKENS, next(seed))
-        n = reps(c)
-        r = repeated(setup, plain, c, out_len, [next(seed) for _ in range(n)], [None] * n)
-        res["plain"][f"C={c}"] = r
-        print(f"plain C={c}: {r['output_tok_s']:.1f} tok/s, TPOT {r['mean_tpot_ms']:.2f} ms",
-              flush=True)
-        save()
-    del plain
-    free()
-
     t0 = time.perf_counter()
     sp = setup.llm(draft=True, acceptance=accs[0])
     res["spec_startup_s"] = time.perf_counter() - t0
     res["cost_profile"] = sp.engine.runner.cost_profile_info
-    print(f"speculative engine up in {res['spec_startup_s']:.1f} s", flush=True)
-    res["spec"] = {}
+    print(f"engines up in {res['plain_startup_s']:.1f} s (plain) and "
+          f"{res['spec_startup_s']:.1f} s (speculative)", flush=True)
+    res["plain"], res["spec"] = {}, {}
     runner = sp.engine.runner
+    plain_runs: dict[str, list] = {}
+    names = ["plain"] + [name for name, _, _ in CONFIGS]
+    modes = {name: (mode, fixed_len) for name, mode, fixed_len in CONFIGS}
     for a in accs:
         runner.set_synthetic_acceptance(a)
-        runs = res["spec"].setdefault(f"a={a}", {})
+        cells = res["spec"].setdefault(f"a={a}", {})
         for c in cs:
-            for name, mode, fixed_len in CONFIGS:
-                runner.set_policy(mode, fixed_len)
-                run_generate(setup, sp, c, WARMUP_TOKENS, next(seed))
-                n = reps(c)
-                # NOTE: repeat k uses the same draws for every config (common random numbers).
-                r = repeated(setup, sp, c, out_len, [next(seed) for _ in range(n)],
-                             [1_000_003 * c + round(1000 * a) + 7 * k for k in range(n)])
-                runs.setdefault(f"C={c}", {})[name] = r
-                print(f"a={a} C={c} {name}: {r['output_tok_s']:.1f} tok/s, tau {r['tau']}, "
-                      f"steps by L {r['block_len_steps']}", flush=True)
-                save()
+            # NOTE: both engines stay loaded and the configs of a cell run round-robin, in an
+            # order rotated every round, so slow drift of the GPU or the host (clocks, other
+            # load) falls on every config alike instead of on whichever ran last.
+            run_generate(setup, plain, c, WARMUP_TOKENS, next(seed))
+            runner.set_policy("adaptive")
+            run_generate(setup, sp, c, WARMUP_TOKENS, next(seed))
+            n = reps(c)
+            runs: dict[str, list] = {name: [] for name in names}
+            for k in range(n):
+                for name in names[k % len(names):] + names[:k % len(names)]:
+                    if name == "plain":
+                        runs[name].append(run_generate(setup, plain, c, out_len, next(seed)))
+                        continue
+                    runner.set_policy(*modes[name])
+                    # NOTE: repeat k uses the same draws for every config (common random
+                    # numbers).
+                    runs[name].append(run_generate(setup, sp, c, out_len, next(seed),
+                                                   1_000_003 * c + round(1000 * a) + 7 * k))
+            cells[f"C={c}"] = {name: pool_runs(rs) for name, rs in runs.items()}
+            plain_runs.setdefault(f"C={c}", []).extend(runs["plain"])
+            res["plain"][f"C={c}"] = pool_runs(plain_runs[f"C={c}"])
+            for name in names:
+                r = cells[f"C={c}"][name]
+                print(f"a={a} C={c} {name}: {r['output_tok_s']:.1f} tok/s, tau {r.get('tau')}, "
+                      f"steps by L {r.get('block_len_steps')}", flush=True)
+            save()
     res["total_s"] = time.perf_counter() - start
     save()
     if not args.smoke:

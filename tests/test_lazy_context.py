@@ -308,3 +308,20 @@ def test_load_rule_detaches_before_the_prefills(qwen3_path, drafter16, prompts, 
     assert set(llm.engine.spec_stats.block_len_steps) == {1}
     assert r.lazy.num_catchups == 0
     assert_no_leaks(llm)
+
+
+def test_set_policy_starts_attached(qwen3_path, drafter16, prompts):
+    """A benchmark switching a detached engine to a fixed block: the next run's prefills write
+    the drafter context (no catch-up inside the run), as in a fresh engine."""
+    llm = spec_llm(qwen3_path, drafter16, speculation_policy="adaptive")
+    r = llm.engine.runner
+    r.set_policy("fixed", 1)
+    llm.generate(prompts[:2], GREEDY)  # 90 plain steps: detaches after DETACH_AFTER
+    assert r.lazy.detached
+    r.set_policy("fixed", 4)
+    assert not r.lazy.detached and r.lazy.plain_streak == 0
+    catchups = r.lazy.num_catchups
+    llm.generate(prompts[2:4], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    assert r.lazy.num_catchups == catchups
+    assert set(llm.engine.spec_stats.block_len_steps) == {1, 4}
+    assert_no_leaks(llm)

@@ -12,6 +12,7 @@ from blockspec.spec.policy import (
     AcceptanceTracker,
     SpeculationPolicy,
     StepCostModel,
+    StepOverhead,
     expected_committed_from_rates,
     profile_key,
 )
@@ -321,3 +322,46 @@ def test_rates_consistent_with_costs():
             assert rates[L] == pytest.approx(b * closed_form(0.86, L) / cm.cost(b, L))
         best = max((4, 8, 16), key=lambda L: (rates[L], -L))
         assert policy.choose(b, t) == (best if rates[best] > rates[1] else 1)
+
+
+# H200 start-up profile (policy_sweep run 7), ms per step at B=256 by block length, and the
+# decode-phase step times measured in that run's plain and fixed-4 cells (host included).
+H200_B256_MS = {1: 12.00, 4: 38.12, 8: 69.80, 16: 136.42}
+
+
+def test_step_overhead_moving_average_and_clipping():
+    o = StepOverhead(alpha=0.5)
+    assert o(256) == 0.0
+    o.observe(256, modelled=0.012, wall=0.016)
+    assert o(256) == pytest.approx(0.004)  # the first observation is taken as it is
+    o.observe(256, modelled=0.012, wall=0.018)
+    assert o(256) == pytest.approx(0.005)
+    o.observe(256, modelled=0.012, wall=10.0)  # an outlier counts as one modelled step at most
+    assert o(256) == pytest.approx(0.0085)
+    o.observe(256, modelled=0.012, wall=0.001)  # faster than modelled: the profile is a floor
+    assert o(256) == pytest.approx(0.00425)
+    assert o(8) == 0.0  # per batch size
+    with pytest.raises(ValueError):
+        StepOverhead(alpha=0)
+
+
+def test_live_overhead_moves_the_choice_like_the_h200_measurements():
+    """B=256, a=0.86: by the profile alone block 4 is 1.02x plain (under the engine's 1.03 bar:
+    plain); with the ~4 ms per step the H200 really paid on top of it, 1.23x: block 4, as the
+    run measured (fixed 4 beat plain decoding). At a=0.6 plain stays best either way."""
+    cm = StepCostModel({L: {256: t / 1e3} for L, t in H200_B256_MS.items()})
+    policy = SpeculationPolicy(cm, min_gain=1.03)
+    overhead = StepOverhead()
+    policy.overhead = overhead
+    assert policy.choose(256, iid_tracker(0.86)) == 1
+    assert policy.explain(256, iid_tracker(0.86))["overhead_s"] == 0.0
+    for _ in range(5):
+        overhead.observe(256, cm.cost(256, 1), 0.016)
+    info = policy.explain(256, iid_tracker(0.86))
+    assert info["overhead_s"] == pytest.approx(0.004)
+    assert info["rates"][1] == pytest.approx(256 / 0.016)
+    assert info["rates"][4] / info["rates"][1] == pytest.approx(
+        closed_form(0.86, 4) * 16.0 / 42.12, rel=1e-6)
+    assert policy.choose(256, iid_tracker(0.86)) == 4
+    assert policy.choose(256, iid_tracker(0.6)) == 1
+    assert policy.choose(128, iid_tracker(0.86)) == 1  # no observation at 128: profile alone

@@ -285,3 +285,48 @@ def test_controller_prices_steps_at_their_graph_bucket():
     eager = SpecController([4], "adaptive", cm)
     assert graphed.choose(5) == 1 and eager.choose(5) == 4
     assert graphed.choose(4) == eager.choose(4) == 4
+
+
+def test_controller_learns_step_overhead_at_the_graph_bucket():
+    from blockspec.engine.speculation import SpecController
+
+    cm = StepCostModel({1: {4: 1.0, 8: 2.0}, 4: {4: 3.0, 8: 6.0}})
+    ctl = SpecController([4], "adaptive", cm, batch_bucket=lambda n: 8 if n > 4 else 4)
+    ctl.observe_step_time(5, 1, 2.5)  # bucket 8: 2.0 modelled
+    ctl.observe_step_time(5, 4, 7.0)  # the same bucket, another block length: one term
+    assert ctl.overhead(8) == pytest.approx(0.5 + 0.1 * (1.0 - 0.5)) and ctl.overhead(4) == 0
+    assert ctl.explain(6)["overhead_s"] == pytest.approx(0.55)
+    ctl.set_policy("fixed", 4)
+    ctl.set_policy("adaptive")  # kept across policy switches
+    assert ctl.explain(6)["overhead_s"] == pytest.approx(0.55)
+    ctl.set_cost_model(cm)  # an installed table is exact: no overhead term, none learned
+    ctl.observe_step_time(5, 1, 9.0)
+    assert ctl.explain(6)["overhead_s"] == 0.0
+
+
+def test_engine_reports_all_decode_step_times(qwen3_path, drafter, prompts, monkeypatch):
+    """The runner flags all-decode steps only (not prefill or mixed steps) and the engine hands
+    each one's wall time to the controller."""
+    # NOTE: without the lazy context: a catch-up step is not flagged (see ModelRunner._execute)
+    llm = spec_llm(qwen3_path, drafter, cost_profile="none", lazy_draft_context=False)
+    runner = llm.engine.runner
+    seen = []
+    monkeypatch.setattr(runner.controller, "observe_step_time",
+                        lambda n, L, s: seen.append((n, L, s)))
+    flagged = []
+    execute = runner._execute
+
+    def spy(seqs, num_new_tokens):
+        res = execute(seqs, num_new_tokens)
+        decode = all(n == 1 and s.num_computed_tokens == s.num_tokens - 1
+                     for s, n in zip(seqs, num_new_tokens))
+        flagged.append((decode, runner.timed_step))
+        return res
+
+    monkeypatch.setattr(runner, "_execute", spy)
+    llm.generate(prompts[:3], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    assert any(not d for d, _ in flagged) and any(d for d, _ in flagged)
+    assert all((t is not None) == d for d, t in flagged)
+    assert [(n, L) for n, L, _ in seen] == [t for d, t in flagged if d]
+    assert all(s > 0 for _, _, s in seen)
+    assert runner.timed_step is None

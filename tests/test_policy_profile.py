@@ -191,15 +191,20 @@ def test_policy_sweep_smoke(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads((tmp_path / "policy_sweep.json").read_text())
     assert set(res["plain"]) == {"C=1", "C=4"}
-    # C=1 pools two runs (tokens over time), C=4 is a single run
+    # C=1 pools two runs (tokens over time), C=4 is a single run per a; the plain table pools
+    # the plain runs timed alongside each a
     one = res["spec"]["a=0.6"]["C=1"]["fixed 8"]
-    assert one["repeats"] == 2 and len(one["runs"]) == 2 and "repeats" not in res["plain"]["C=4"]
+    assert one["repeats"] == 2 and len(one["runs"]) == 2
+    assert "repeats" not in res["spec"]["a=0.6"]["C=4"]["plain"]
+    assert res["plain"]["C=4"]["repeats"] == 2 and res["plain"]["C=1"]["repeats"] == 4
     assert one["output_tokens"] == sum(r["output_tokens"] for r in one["runs"])
     assert one["block_len_steps"]["8"] == sum(r["block_len_steps"]["8"] for r in one["runs"])
     for a in ("a=0.86", "a=0.6"):
         for c in ("C=1", "C=4"):
             runs = res["spec"][a][c]
-            assert set(runs) == {"fixed 4", "fixed 8", "fixed 16", "adaptive"}
+            assert set(runs) == {"plain", "fixed 4", "fixed 8", "fixed 16", "adaptive"}
+            assert res["ratios"][a][c]["vs_plain"] == pytest.approx(
+                runs["adaptive"]["output_tok_s"] / runs["plain"]["output_tok_s"])
             assert set(runs["fixed 8"]["block_len_steps"]) == {"8"}
             assert sum(runs["adaptive"]["block_len_steps"].values()) > 0
             assert res["ratios"][a][c]["vs_best"] <= 1.0

@@ -219,7 +219,9 @@ class LLMEngine:
         timings = self.runner.timings
         timings.steps += 1
         timings.schedule += t1 - t0
-        timings.postprocess += time.perf_counter() - t2
+        t3 = time.perf_counter()
+        timings.postprocess += t3 - t2
+        self.runner.observe_step_time(t3 - t0)
         return outputs
 
     def _commit(self, sched: SchedulerOutput, res: StepResult) -> list[RequestOutput]:

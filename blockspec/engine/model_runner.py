@@ -123,6 +123,9 @@ class ModelRunner(MixedStepMixin):
         self.last_block_len = self.max_block
         self.budget_block_len = self.max_block
         self.controller: SpecController | None = None
+        # (decoding sequences, block length) of the last step if it was an all-decode step
+        # without a catch-up: the engine reports its wall time (observe_step_time).
+        self.timed_step: tuple[int, int] | None = None
         self.cost_profile_info: dict | None = None
         if proposer is not None:
             cost_model = None
@@ -143,9 +146,15 @@ class ModelRunner(MixedStepMixin):
         if self.controller is None:
             raise ConfigError("set_policy needs a draft model")
         self.controller.set_policy(mode, fixed_len)
+        if self.lazy is not None:
+            # NOTE: the new policy starts attached, as in a fresh engine, so a fixed block run
+            # after a detached stretch does not skip its prefills' drafter context and then pay
+            # a catch-up; a sequence left with a gap is caught up before it drafts (invariant).
+            self.lazy.detached, self.lazy.plain_streak = False, 0
 
     def set_cost_model(self, cost_model: StepCostModel) -> None:
-        """Replace the adaptive policy's step-cost model (tests, what-if runs)."""
+        """Replace the adaptive policy's step-cost model (tests, what-if runs); the policy then
+        prices steps by it alone (no live overhead term, see SpecController.set_cost_model)."""
         if self.controller is None:
             raise ConfigError("set_cost_model needs a draft model")
         self.controller.set_cost_model(cost_model)
@@ -213,8 +222,12 @@ class ModelRunner(MixedStepMixin):
             if drafting:
                 self.flush_context()  # NOTE: the drafter runs: its context must be whole
         plain_decode = n_dec == len(seqs) and (blens is None or all(b == L for b in blens))
+        self.timed_step = (n_dec, L) if plain_decode and self.controller is not None else None
         if lazy is not None:
+            catchups = lazy.num_catchups
             lazy.before_step(seqs, blens if drafting else None, L, n_dec, plain_decode and L == 1)
+            if lazy.num_catchups != catchups:
+                self.timed_step = None  # NOTE: a catch-up is priced by switch_cost, not here
         if plain_decode:
             res = self._execute_decode(seqs, L)
         else:
@@ -230,6 +243,13 @@ class ModelRunner(MixedStepMixin):
         if self.controller is not None and n_dec:
             self.controller.observe(L, res.drafted, res.accepted)
         return res
+
+    def observe_step_time(self, seconds: float) -> None:
+        """The engine's wall time of the step just run (schedule to outputs), for the policy's
+        live overhead term; only all-decode steps count (see `timed_step`)."""
+        if self.timed_step is not None:
+            self.controller.observe_step_time(*self.timed_step, seconds)
+            self.timed_step = None
 
     def next_budget_lookahead(self) -> int:
         """Lookahead tokens per decoding sequence for the next step's token budget (the

@@ -21,7 +21,12 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from blockspec.config import ConfigError, EngineConfig
-from blockspec.spec.policy import AcceptanceTracker, SpeculationPolicy, StepCostModel
+from blockspec.spec.policy import (
+    AcceptanceTracker,
+    SpeculationPolicy,
+    StepCostModel,
+    StepOverhead,
+)
 
 DEFAULT_BLOCK_SIZES = (4, 8, 16)
 HALF_LIFE_STEPS = 64.0
@@ -73,6 +78,9 @@ class SpecController:
         self.policy: SpeculationPolicy | None = None
         # See SpeculationPolicy.switch_cost (kept across set_policy).
         self.switch_cost: Callable[[int, StepCostModel], tuple[float, float]] | None = None
+        # Live per-step overhead over the cost model (StepOverhead), fed by observe_step_time;
+        # kept across set_policy, off for a cost model installed by set_cost_model.
+        self.overhead: StepOverhead | None = StepOverhead()
         self.set_policy(mode)
 
     @staticmethod
@@ -100,6 +108,7 @@ class SpecController:
                 self.cost_model, self.block_lens, mode="adaptive", fixed_len=self.max_block,
                 min_gain=MIN_GAIN, probe_every=PROBE_EVERY, probe_overhead=PROBE_OVERHEAD)
             self.policy.switch_cost = self.switch_cost
+            self.policy.overhead = self.overhead
         else:
             raise ConfigError(f"speculation policy must be adaptive or fixed, got {mode!r}")
 
@@ -110,7 +119,10 @@ class SpecController:
             self.policy.switch_cost = fn
 
     def set_cost_model(self, cost_model: StepCostModel) -> None:
+        """Replace the cost model (tests, what-if runs). NOTE: it is then taken as the whole
+        step cost: the live overhead correction is off, so a made-up table means what it says."""
         self.cost_model = cost_model
+        self.overhead = None
         if self.mode == "adaptive":
             self.set_policy("adaptive")
 
@@ -128,6 +140,15 @@ class SpecController:
             self.tracker.observe_many(drafted, accepted)
         else:
             self.tracker.tick()
+
+    def observe_step_time(self, num_decoding: int, block_len: int, seconds: float) -> None:
+        """The wall time of an all-decode step at `block_len` (one without a catch-up), against
+        its modelled time at the step's graph bucket (StepOverhead)."""
+        if self.overhead is None or self.cost_model is None \
+                or block_len not in self.cost_model.block_lens:
+            return
+        b = self.batch_bucket(num_decoding) if self.batch_bucket is not None else num_decoding
+        self.overhead.observe(b, self.cost_model.cost(b, block_len), seconds)
 
     def explain(self, num_decoding: int) -> dict[str, Any]:
         """The policy's view for a batch size (side-effect free): rates, tau, acceptance."""
