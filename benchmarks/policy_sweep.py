@@ -101,6 +101,23 @@ def lazy_counts(lazy) -> dict[str, float]:
             "catchup_tokens": lazy.num_catchup_tokens, "catchup_s": lazy.catchup_seconds}
 
 
+class GCPauses:
+    """Total time of the garbage collector's passes (gc.callbacks): host stalls in a step."""
+
+    def __init__(self) -> None:
+        self.seconds, self._t0 = 0.0, 0.0
+        gc.callbacks.append(self._cb)
+
+    def _cb(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._t0
+
+
+GC_PAUSES = GCPauses()
+
+
 def run_generate(setup: Setup, llm: LLM, c: int, out_len: int, seed: int,
                  draws_seed: int | None = None) -> dict:
     """`draws_seed`: reseed the synthetic-acceptance draws first. NOTE: common random numbers:
@@ -113,7 +130,14 @@ def run_generate(setup: Setup, llm: LLM, c: int, out_len: int, seed: int,
     before = Counter(engine.spec_stats.block_len_steps)
     lazy = engine.runner.lazy
     lazy0 = lazy_counts(lazy)
+    gc0 = GC_PAUSES.seconds
     r, outs = timed_generate(llm, setup.prompts(c, seed), out_len)
+    r["gc_ms"] = 1e3 * (GC_PAUSES.seconds - gc0)
+    ctl = engine.runner.controller
+    if ctl is not None and ctl.overhead is not None and ctl.mode == "adaptive":
+        # The policy's live per-step overhead after the run, ms by (batch bucket, block length).
+        r["overhead_ms"] = {f"B={b} L={L}": round(1e3 * t, 3)
+                            for (b, L), t in sorted(ctl.overhead.seconds.items())}
     if lazy is not None:
         r["lazy"] = {k: v - lazy0[k] for k, v in lazy_counts(lazy).items()}
     steps = Counter(engine.spec_stats.block_len_steps)
@@ -212,6 +236,11 @@ def main() -> int:
     sp = setup.llm(draft=True, acceptance=accs[0])
     res["spec_startup_s"] = time.perf_counter() - t0
     res["cost_profile"] = sp.engine.runner.cost_profile_info
+    # NOTE: as a serving process does after start-up (vLLM freezes its start-up heap too): the
+    # collector then skips the engines' long-lived objects (both engines alike).
+    gc.collect()
+    gc.freeze()
+    res["gc_freeze"] = True
     print(f"engines up in {res['plain_startup_s']:.1f} s (plain) and "
           f"{res['spec_startup_s']:.1f} s (speculative)", flush=True)
     res["plain"], res["spec"] = {}, {}
@@ -254,6 +283,7 @@ def main() -> int:
     if not args.smoke:
         write_latest(res, out / "latest.json")
     print(res["table_md"])
+    gc.unfreeze()  # NOTE: so the interpreter's exit frees the engines (bindings check leaks)
     return 0
 
 

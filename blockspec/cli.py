@@ -170,7 +170,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
                                   for L, r in sorted(view["rates"].items()))
                 first = view["acceptance"][0] if view["acceptance"] else 0.0
                 print(f"[blockspec] policy's view at batch 1 (measured step costs + "
-                      f"{view['overhead_s'] * 1e3:.2f} ms live per-step overhead, acceptance "
+                      f"{view['overhead_s'][1] * 1e3:.2f} ms live per-step overhead, acceptance "
                       f"estimate {first:.2f} at position 1): expected tok/s {rates}",
                       file=sys.stderr)
             lazy = engine.runner.lazy

@@ -329,39 +329,50 @@ def test_rates_consistent_with_costs():
 H200_B256_MS = {1: 12.00, 4: 38.12, 8: 69.80, 16: 136.42}
 
 
-def test_step_overhead_moving_average_and_clipping():
+def test_step_overhead_moving_average_clipping_and_fallbacks():
     o = StepOverhead(alpha=0.5)
-    assert o(256) == 0.0
-    o.observe(256, modelled=0.012, wall=0.016)
-    assert o(256) == pytest.approx(0.004)  # the first observation is taken as it is
-    o.observe(256, modelled=0.012, wall=0.018)
-    assert o(256) == pytest.approx(0.005)
-    o.observe(256, modelled=0.012, wall=10.0)  # an outlier counts as one modelled step at most
-    assert o(256) == pytest.approx(0.0085)
-    o.observe(256, modelled=0.012, wall=0.001)  # faster than modelled: the profile is a floor
-    assert o(256) == pytest.approx(0.00425)
-    assert o(8) == 0.0  # per batch size
+    assert o(256, 1) == 0.0
+    o.observe(256, 4, modelled=0.038, wall=0.041)
+    assert o(256, 4) == pytest.approx(0.003)  # the first observation is taken as it is
+    assert o(256, 1) == o(256, 16) == pytest.approx(0.003)  # nothing else there: the smallest
+    o.observe(256, 1, modelled=0.012, wall=0.016)
+    assert o(256, 1) == pytest.approx(0.004) and o(256, 4) == pytest.approx(0.003)
+    assert o(256, 8) == pytest.approx(0.004)  # unobserved: plain decode's term
+    o.observe(256, 1, modelled=0.012, wall=0.018)
+    assert o(256, 1) == pytest.approx(0.005)
+    o.observe(256, 1, modelled=0.012, wall=10.0)  # an outlier counts as one modelled step at most
+    assert o(256, 1) == pytest.approx(0.0085)
+    o.observe(256, 1, modelled=0.012, wall=0.001)  # faster than modelled: the profile is a floor
+    assert o(256, 1) == pytest.approx(0.00425)
+    assert o(8, 1) == o(8, 4) == 0.0  # per batch size
     with pytest.raises(ValueError):
         StepOverhead(alpha=0)
 
 
 def test_live_overhead_moves_the_choice_like_the_h200_measurements():
-    """B=256, a=0.86: by the profile alone block 4 is 1.02x plain (under the engine's 1.03 bar:
+    """B=256, a=0.86: by the profile alone block 4 is 1.02x plain (under the engine's 1.05 bar:
     plain); with the ~4 ms per step the H200 really paid on top of it, 1.23x: block 4, as the
     run measured (fixed 4 beat plain decoding). At a=0.6 plain stays best either way."""
     cm = StepCostModel({L: {256: t / 1e3} for L, t in H200_B256_MS.items()})
-    policy = SpeculationPolicy(cm, min_gain=1.03)
+    policy = SpeculationPolicy(cm, min_gain=1.05)
     overhead = StepOverhead()
     policy.overhead = overhead
     assert policy.choose(256, iid_tracker(0.86)) == 1
-    assert policy.explain(256, iid_tracker(0.86))["overhead_s"] == 0.0
+    assert policy.explain(256, iid_tracker(0.86))["overhead_s"][4] == 0.0
     for _ in range(5):
-        overhead.observe(256, cm.cost(256, 1), 0.016)
+        overhead.observe(256, 1, cm.cost(256, 1), 0.016)
     info = policy.explain(256, iid_tracker(0.86))
-    assert info["overhead_s"] == pytest.approx(0.004)
+    assert info["overhead_s"] == pytest.approx({1: 0.004, 4: 0.004, 8: 0.004, 16: 0.004})
     assert info["rates"][1] == pytest.approx(256 / 0.016)
     assert info["rates"][4] / info["rates"][1] == pytest.approx(
         closed_form(0.86, 4) * 16.0 / 42.12, rel=1e-6)
     assert policy.choose(256, iid_tracker(0.86)) == 4
     assert policy.choose(256, iid_tracker(0.6)) == 1
     assert policy.choose(128, iid_tracker(0.86)) == 1  # no observation at 128: profile alone
+    # Block 4's own steps turn out dearer than plain's: its own term. Block 8, unobserved,
+    # borrows plain decode's (5.0 x 16 / 73.8 = 1.08x): tried next, then its own term too.
+    overhead.observe(256, 4, cm.cost(256, 4), cm.cost(256, 4) + 0.012)
+    assert policy.explain(256, iid_tracker(0.86))["overhead_s"][4] == pytest.approx(0.012)
+    assert policy.choose(256, iid_tracker(0.86)) == 8
+    overhead.observe(256, 8, cm.cost(256, 8), cm.cost(256, 8) + 0.012)
+    assert policy.choose(256, iid_tracker(0.86)) == 1

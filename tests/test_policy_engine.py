@@ -293,15 +293,16 @@ def test_controller_learns_step_overhead_at_the_graph_bucket():
     cm = StepCostModel({1: {4: 1.0, 8: 2.0}, 4: {4: 3.0, 8: 6.0}})
     ctl = SpecController([4], "adaptive", cm, batch_bucket=lambda n: 8 if n > 4 else 4)
     ctl.observe_step_time(5, 1, 2.5)  # bucket 8: 2.0 modelled
-    ctl.observe_step_time(5, 4, 7.0)  # the same bucket, another block length: one term
-    assert ctl.overhead(8) == pytest.approx(0.5 + 0.1 * (1.0 - 0.5)) and ctl.overhead(4) == 0
-    assert ctl.explain(6)["overhead_s"] == pytest.approx(0.55)
+    ctl.observe_step_time(6, 4, 7.0)  # the same bucket, block 4: 6.0 modelled
+    assert ctl.overhead(8, 1) == pytest.approx(0.5) and ctl.overhead(8, 4) == pytest.approx(1.0)
+    assert ctl.overhead(4, 1) == 0
+    assert ctl.explain(6)["overhead_s"] == pytest.approx({1: 0.5, 4: 1.0})
     ctl.set_policy("fixed", 4)
     ctl.set_policy("adaptive")  # kept across policy switches
-    assert ctl.explain(6)["overhead_s"] == pytest.approx(0.55)
+    assert ctl.explain(6)["overhead_s"] == pytest.approx({1: 0.5, 4: 1.0})
     ctl.set_cost_model(cm)  # an installed table is exact: no overhead term, none learned
     ctl.observe_step_time(5, 1, 9.0)
-    assert ctl.explain(6)["overhead_s"] == 0.0
+    assert ctl.explain(6)["overhead_s"] == {1: 0.0, 4: 0.0}
 
 
 def test_engine_reports_all_decode_step_times(qwen3_path, drafter, prompts, monkeypatch):

@@ -123,33 +123,42 @@ class StepCostModel:
 
 
 class StepOverhead:
-    """The live correction of a cost model: per batch size, a moving average of what a decode
-    step really took (wall time, host included) beyond its modelled device time.
+    """The live correction of a cost model: per (batch size, block length), a moving average of
+    what a decode step really took (wall time, host included) beyond its modelled device time.
 
     The start-up profile times graph replays at one context length; a served step also pays the
     host (scheduling, input copies, output processing: ~4 ms at B=256 on an H200 host) and the
-    attention over longer contexts. Both are paid per step whatever the block length, so the
-    policy adds this one term to every candidate: it makes a plain step dearer relative to a
-    speculative step that commits several tokens (H200, a=0.86, B=256: block 4 commits 1.2x
-    plain's tokens/s measured, 1.02x by the profile alone).
+    attention over longer contexts. That makes a plain step dearer relative to a speculative step
+    that commits several tokens (H200, a=0.86, B=256: block 4 commits ~1.2x plain's tokens/s
+    measured, 1.02x by the profile alone).
+    A block length not yet observed at a batch size borrows plain decode's term there (the
+    per-step host work is the same kind), else the smallest term observed there: the policy may
+    then try it once and learns its own term from that step.
     NOTE: an observation is clipped to [0, modelled]: the profile stays a lower bound, and one
-    outlier step (a GC pause, a catch-up) moves the estimate by at most `alpha` x one step.
+    outlier step (a GC pause) moves the estimate by at most `alpha` x one modelled step.
     """
 
     def __init__(self, alpha: float = 0.1) -> None:
         if not 0 < alpha <= 1:
             raise ValueError(f"alpha must be in (0, 1], got {alpha}")
         self.alpha = alpha
-        self.seconds: dict[int, float] = {}
+        self.seconds: dict[tuple[int, int], float] = {}
 
-    def observe(self, batch_size: int, modelled: float, wall: float) -> None:
+    def observe(self, batch_size: int, block_len: int, modelled: float, wall: float) -> None:
         x = min(max(wall - modelled, 0.0), modelled)
-        prev = self.seconds.get(batch_size)
-        self.seconds[batch_size] = x if prev is None else prev + self.alpha * (x - prev)
+        key = (batch_size, block_len)
+        prev = self.seconds.get(key)
+        self.seconds[key] = x if prev is None else prev + self.alpha * (x - prev)
 
-    def __call__(self, batch_size: int) -> float:
-        """Seconds to add to a step of `batch_size` (0 before any observation there)."""
-        return self.seconds.get(batch_size, 0.0)
+    def __call__(self, batch_size: int, block_len: int) -> float:
+        """Seconds to add to a step of `block_len` at `batch_size` (0 before any observation at
+        that batch size)."""
+        got = self.seconds.get((batch_size, block_len))
+        if got is None:
+            got = self.seconds.get((batch_size, 1))
+        if got is None:
+            got = min((t for (b, _), t in self.seconds.items() if b == batch_size), default=0.0)
+        return got
 
 
 class SpeculationPolicy:
@@ -189,12 +198,13 @@ class SpeculationPolicy:
         # -> (seconds, horizon)), e.g. the drafter-context catch-up when the engine skipped
         # those writes (lazy_draft_context); `horizon`: tokens per sequence left to amortise it.
         self.switch_cost: Callable[[int, StepCostModel], tuple[float, float]] | None = None
-        # Seconds added to every candidate's modelled step at a batch size (StepOverhead).
-        self.overhead: Callable[[int], float] | None = None
+        # Seconds added to a candidate's modelled step: (batch size, block length) -> seconds
+        # (StepOverhead).
+        self.overhead: Callable[[int, int], float] | None = None
 
     def step_cost(self, batch_size: int, block_len: int) -> float:
         """The modelled step time plus the live per-step overhead (see StepOverhead)."""
-        extra = self.overhead(batch_size) if self.overhead is not None else 0.0
+        extra = self.overhead(batch_size, block_len) if self.overhead is not None else 0.0
         return self.cost_model.cost(batch_size, block_len) + extra
 
     def rates(self, batch_size: int, tracker: AcceptanceTracker, switch_s: float = 0.0,
@@ -261,6 +271,7 @@ class SpeculationPolicy:
         rates = self.rates(batch_size, tracker)
         return {"mode": self.mode, "batch_size": batch_size, "choice": self._best(rates),
                 "rates": rates,
-                "overhead_s": self.overhead(batch_size) if self.overhead is not None else 0.0,
+                "overhead_s": {L: self.step_cost(batch_size, L)
+                               - self.cost_model.cost(batch_size, L) for L in rates},
                 "tau": {L: tracker.expected_committed(L) for L in [1, *self.block_lens]},
                 "acceptance": tracker.conditional_rates(max(self.block_lens) - 1)}
