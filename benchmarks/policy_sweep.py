@@ -97,7 +97,8 @@ def lazy_counts(lazy) -> dict[str, float]:
     """The lazy drafter context's counters (detached steps, catch-ups), to diff per run."""
     if lazy is None:
         return {}
-    return {"detached_steps": lazy.num_detached_steps, "catchups": lazy.num_catchups,
+    return {"detached_steps": lazy.num_detached_steps, "reattaches": lazy.num_reattaches,
+            "catchups": lazy.num_catchups,
             "catchup_tokens": lazy.num_catchup_tokens, "catchup_s": lazy.catchup_seconds}
 
 

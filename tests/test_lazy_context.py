@@ -325,3 +325,45 @@ def test_set_policy_starts_attached(qwen3_path, drafter16, prompts):
     assert r.lazy.num_catchups == catchups
     assert set(llm.engine.spec_stats.block_len_steps) == {1, 4}
     assert_no_leaks(llm)
+
+
+def test_load_rule_reattaches_for_new_prefills(qwen3_path, drafter16, prompts, ar_ref):
+    """Detached at a load where plain decode won, then the policy's view at the load turns to
+    speculation (e.g. the live step overhead it learned) while the running requests' catch-up
+    stays too dear to pay: requests admitted from then on get their drafter context as they
+    prefill (no gap), and the runner speculates once the gapped requests are done. The output
+    stays the target's."""
+    from blockspec.spec.policy import StepCostModel
+
+    llm = spec_llm(qwen3_path, drafter16, speculation_policy="adaptive",
+                   max_num_batched_tokens=96, max_num_seqs=6)
+    eng, r = llm.engine, llm.engine.runner
+    r.set_cost_model(StepCostModel({1: {1: 1e-3}, 4: {1: 9e-3}, 8: {1: 17e-3},
+                                    16: {1: 33e-3}}))  # plain decode wins everywhere
+    ids = [eng.add_request(p, GREEDY) for p in prompts[:3]]
+    while not r.lazy.detached or eng.scheduler.waiting:
+        eng.step()
+    for _ in range(40):  # NOTE: fewer plain steps left than DETACH_AFTER when the rest arrive
+        eng.step()
+    r.set_cost_model(StepCostModel({L: {1: 1e-3} for L in (1, 4, 8, 16)}))  # speculation wins
+    r.lazy.seconds_per_token = 1.0  # ... but not at the price of a catch-up
+    later = {eng.add_request(p, GREEDY) for p in prompts[3:]}
+    ids += sorted(later, key=int)
+    whole_at_first_decode, execute = {}, r.execute
+
+    def spy(seqs, num_new_tokens):
+        for s in seqs:
+            if s.request_id in later and s.num_computed_tokens == s.num_tokens - 1:
+                whole_at_first_decode.setdefault(
+                    s.request_id, s.num_draft_ctx_tokens == s.num_computed_tokens)
+        return execute(seqs, num_new_tokens)
+
+    r.execute = spy
+    outs = {}
+    while eng.has_unfinished():
+        outs.update({o.request_id: o.token_ids for o in eng.step() if o.finished})
+    assert [outs[i] for i in ids] == ar_ref
+    assert r.lazy.num_reattaches == 1 and r.lazy.num_catchups == 0
+    assert whole_at_first_decode == {i: True for i in later}
+    assert set(eng.spec_stats.block_len_steps) > {1}
+    assert_no_leaks(llm)

@@ -334,7 +334,8 @@ def test_step_overhead_moving_average_clipping_and_fallbacks():
     assert o(256, 1) == 0.0
     o.observe(256, 4, modelled=0.038, wall=0.041)
     assert o(256, 4) == pytest.approx(0.003)  # the first observation is taken as it is
-    assert o(256, 1) == o(256, 16) == pytest.approx(0.003)  # nothing else there: the smallest
+    # Plain decode never borrows a speculative step's term; a block borrows plain decode's.
+    assert o(256, 1) == o(256, 16) == 0.0
     o.observe(256, 1, modelled=0.012, wall=0.016)
     assert o(256, 1) == pytest.approx(0.004) and o(256, 4) == pytest.approx(0.003)
     assert o(256, 8) == pytest.approx(0.004)  # unobserved: plain decode's term
@@ -376,3 +377,19 @@ def test_live_overhead_moves_the_choice_like_the_h200_measurements():
     assert policy.choose(256, iid_tracker(0.86)) == 8
     overhead.observe(256, 8, cm.cost(256, 8), cm.cost(256, 8) + 0.012)
     assert policy.choose(256, iid_tracker(0.86)) == 1
+
+
+def test_plain_decode_does_not_borrow_a_speculative_steps_overhead():
+    """The H200 a=0.6, B=128 case: an engine that has only run block 4 there (+4.1 ms per step
+    over the profile) must not price plain decode at +4.1 ms too (block 4 would look 1.10x and
+    ran at 0.94x): plain decode stays at the profile until its own steps are observed
+    (+1.8 ms), and block 4 loses either way."""
+    cm = StepCostModel({1: {128: 8.04e-3}, 4: {128: 18.44e-3}})
+    policy = SpeculationPolicy(cm, block_lens=(4,), min_gain=1.05)
+    overhead = StepOverhead()
+    policy.overhead = overhead
+    overhead.observe(128, 4, cm.cost(128, 4), cm.cost(128, 4) + 4.1e-3)
+    assert policy.choose(128, iid_tracker(0.6)) == 1
+    overhead.observe(128, 1, cm.cost(128, 1), cm.cost(128, 1) + 1.8e-3)
+    assert policy.choose(128, iid_tracker(0.6)) == 1
+    assert policy.choose(128, iid_tracker(0.86)) == 4  # a good drafter still speculates there

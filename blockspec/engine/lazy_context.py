@@ -5,7 +5,8 @@ target's tapped hidden states), so that any later step may draft. When the polic
 plain decode, those writes are pure overhead. After DETACH_AFTER consecutive plain choices, or
 at once when the policy would decode plainly at the engine's load (`policy_batch`), the runner
 detaches: plain steps run a decode step built without the drafter (its own CUDA graphs), prefill
-and mixed steps skip the context write, and nothing is staged. Before the drafter next runs for a
+and mixed steps skip the context write, and nothing is staged; it re-attaches before new prefills
+once the policy favours speculation at the load again. Before the drafter next runs for a
 sequence, `catch_up` recomputes its missing context: one eager target pass over the tokens
 [num_draft_ctx_tokens, num_computed_tokens), whose taps are written to the drafter's pool; the
 policy weighs that cost before it speculates again (`switch_cost`).
@@ -64,11 +65,14 @@ class LazyDraftContext:
         self.graphs: GraphedDecodeStep | None = None
         self.detached = False
         self.plain_streak = 0  # consecutive steps whose chosen block length was 1
+        # This step's load rule favours speculation while prefills are pending (see policy_batch).
+        self.load_wants_drafter = False
         # The current step's scheduled sequences and decoding flags (switch_cost).
         self.step_seqs: list[Sequence] = []
         self.step_decoding: list[bool] = []
         # Metrics.
         self.num_detached_steps = 0
+        self.num_reattaches = 0  # by the load rule
         self.num_catchups = 0
         self.num_catchup_tokens = 0
         self.catchup_seconds = 0.0
@@ -85,11 +89,25 @@ class LazyDraftContext:
         policy would decode plainly at that load, the runner detaches now, before the prefills
         write any drafter context. While detached, the policy prices steps at the load, so a
         batch that is still filling does not catch up only to detach again; as requests finish
-        the load falls to the decoding batch and the policy prices a return (`switch_cost`)."""
+        the load falls to the decoding batch and the policy prices a return (`switch_cost`).
+        Conversely, a detached runner whose policy now favours speculation at the load (its
+        acceptance estimate or live step overhead moved) re-attaches before new prefills, so
+        the requests it admits next get their drafter context as they prefill: otherwise under
+        steady load every new request would need a catch-up, which the policy would not pay."""
         load = min(max(num_decoding, num_requests), self.max_num_seqs)
-        if load > num_decoding and not self.detached \
-                and controller.explain(load)["choice"] == 1:
-            self._detach()
+        self.load_wants_drafter = False
+        if load > num_decoding:
+            plain_at_load = controller.explain(load)["choice"] == 1
+            if plain_at_load and not self.detached:
+                self._detach()
+            elif not plain_at_load and controller.mode == "adaptive":
+                # NOTE: not in fixed mode: its detached streaks are forced (tests) and stay so
+                self.load_wants_drafter = True
+                if self.detached:
+                    # NOTE: sequences already decoding keep their gaps; the policy prices their
+                    # catch-up (switch_cost) before the drafter runs for them.
+                    self.detached, self.plain_streak = False, 0
+                    self.num_reattaches += 1
         return load if self.detached else num_decoding
 
     def _detach(self) -> None:
@@ -110,7 +128,9 @@ class LazyDraftContext:
             return
         if num_decoding:
             self.plain_streak = self.plain_streak + 1 if block_len == 1 else 0
-        if not self.detached and self.plain_streak > DETACH_AFTER:
+        # NOTE: not while the load rule wants new prefills attached (they would get gaps).
+        if not self.detached and self.plain_streak > DETACH_AFTER \
+                and not self.load_wants_drafter:
             self._detach()
         if self.detached:
             self.num_detached_steps += 1
