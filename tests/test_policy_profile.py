@@ -235,3 +235,24 @@ def test_policy_report_run_spread(monkeypatch):
     summarize(res)
     assert res["max_run_spread"] == {"plain": pytest.approx(0.1), "adaptive": 0.0}
     assert "plain 10.0%, adaptive 0.0%" in res["table_md"]
+
+
+def test_host_overhead_benchmark(tmp_path):
+    """benchmarks/host_overhead.py (in a subprocess: it stubs the decode step's forward): every
+    mode reports host ms per all-decode step, and the stub really skipped the device work (a
+    decode step's forward ran once per (step kind, batch bucket), not once per step)."""
+    out = tmp_path / "host.json"
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "host_overhead.py"),
+                           "--concurrency", "8", "--output-len", "12", "--repeats", "1",
+                           "--out", str(out)], env=env, cwd=REPO, capture_output=True,
+                          text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert set(res["modes"]) == {"plain", "adaptive-plain", "fixed4"}
+    for mode in res["modes"].values():
+        assert set(mode) == {"schedule", "runner_host", "postprocess", "step_wall",
+                             "real_forwards"}
+        assert all(v > 0 for v in mode.values())
+    # 2 runs x 11 decode steps each, per mode: far more steps than forwards
+    assert res["modes"]["plain"]["real_forwards"] <= 4
