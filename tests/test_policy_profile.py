@@ -251,8 +251,8 @@ def test_host_overhead_benchmark(tmp_path):
     res = json.loads(out.read_text())
     assert set(res["modes"]) == {"plain", "adaptive-plain", "fixed4"}
     for mode in res["modes"].values():
-        assert set(mode) == {"schedule", "runner_host", "postprocess", "step_wall",
-                             "real_forwards"}
+        assert set(mode) == {"schedule", "runner_host", "postprocess", "step_wall"}
         assert all(v > 0 for v in mode.values())
-    # 2 runs x 11 decode steps each, per mode: far more steps than forwards
-    assert res["modes"]["plain"]["real_forwards"] <= 4
+    # 3 modes x 2 runs x 11 decode steps: 66 steps; forwards: one per (step kind, bucket), the
+    # speculative engines' start-up profiles (4 block lengths x 3 buckets each) included
+    assert 0 < res["real_forwards"] <= 40
