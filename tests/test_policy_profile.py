@@ -193,12 +193,20 @@ def test_policy_sweep_smoke(tmp_path):
     assert set(res["plain"]) == {"C=1", "C=4"}
     # C=1 pools two runs (tokens over time), C=4 is a single run per a; the plain table pools
     # the plain runs timed alongside each a
-    one = res["spec"]["a=0.6"]["C=1"]["fixed 8"]
+    one = res["spec"]["a=0.6"]["C=1"]["adaptive"]
     assert one["repeats"] == 2 and len(one["runs"]) == 2
     assert "repeats" not in res["spec"]["a=0.6"]["C=4"]["plain"]
     assert res["plain"]["C=4"]["repeats"] == 2 and res["plain"]["C=1"]["repeats"] == 4
     assert one["output_tokens"] == sum(r["output_tokens"] for r in one["runs"])
-    assert one["block_len_steps"]["8"] == sum(r["block_len_steps"]["8"] for r in one["runs"])
+    for L, n in one["block_len_steps"].items():
+        assert n == sum(r["block_len_steps"].get(L, 0) for r in one["runs"])
+    # A fixed block under 0.8x the first round's best ran one round only; the rest both.
+    for a in ("a=0.86", "a=0.6"):
+        cell = res["spec"][a]["C=1"]
+        first = {n: (x["runs"][0] if "runs" in x else x)["output_tok_s"] for n, x in cell.items()}
+        for name in ("fixed 4", "fixed 8", "fixed 16"):
+            dominated = first[name] < 0.8 * max(first.values())
+            assert cell[name].get("repeats", 1) == (1 if dominated else 2), (a, name, first)
     for a in ("a=0.86", "a=0.6"):
         for c in ("C=1", "C=4"):
             runs = res["spec"][a][c]
