@@ -132,11 +132,11 @@ class StepOverhead:
     that commits several tokens (H200, a=0.86, B=256: block 4 commits ~1.2x plain's tokens/s
     measured, 1.02x by the profile alone).
     A speculative block length not yet observed at a batch size borrows plain decode's term
-    there (the policy may then try it once and learns its own); plain decode's own term is never
-    borrowed: it starts at 0 (the profile alone), so an engine that has only speculated at a
-    batch size does not price plain decode at a speculative step's overhead and never try it
-    (H200, a=0.6, B=128: plain decode +1.8 ms per step, block 4 +4.1 ms; borrowed, block 4
-    looked 1.10x plain decoding and ran at 0.94x).
+    there (the policy may then try it once and learns its own). Plain decode's own term is never
+    borrowed; it starts at 0 (the profile alone): an engine that had only speculated at a batch
+    size would otherwise price plain decode at a speculative step's overhead and never try it
+    (H200, a=0.6, B=128: plain decode +1.8 ms per step, block 4 +4.1 ms; with the term
+    borrowed, block 4 looked 1.10x plain decoding and ran at 0.94x).
     NOTE: an observation is clipped to [0, modelled]: the profile stays a lower bound, and one
     outlier step (a GC pause) moves the estimate by at most `alpha` x one modelled step.
     """
