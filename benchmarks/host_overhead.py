@@ -84,15 +84,16 @@ def decode_step_ms(llm: LLM, c: int, out_len: int) -> dict[str, float]:
     while eng.scheduler.waiting or any(s.num_computed_tokens < s.num_tokens - 1
                                        for s in eng.scheduler.running):
         eng.step()  # prefills (real tiny model)
-    before, steps = eng.timings.copy(), eng.timings.steps
+    before = eng.timings.copy()
     t0 = time.perf_counter()
     while eng.has_unfinished():
         eng.step()
     wall = time.perf_counter() - t0
-    n = eng.timings.steps - steps
-    after = eng.timings.copy()
-    out = {k: 1e3 * (getattr(after, k) - getattr(before, k)) / n for k in PARTS}
-    out["step_wall"] = 1e3 * wall / n
+    timings = eng.timings.copy()
+    timings.add(before, sign=-1)
+    per_step = timings.per_step_ms()
+    out = {k: per_step[k] for k in PARTS}
+    out["step_wall"] = 1e3 * wall / timings.steps
     return out
 
 
