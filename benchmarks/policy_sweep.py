@@ -159,13 +159,6 @@ def run_generate(setup: Setup, llm: LLM, c: int, out_len: int, seed: int,
     return r
 
 
-def repeated(setup: Setup, llm: LLM, c: int, out_len: int, seeds: list[int],
-             draws_seeds: list[int | None]) -> dict:
-    """`run_generate` once per seed, pooled (`fast_path.pool_runs`)."""
-    return pool_runs([run_generate(setup, llm, c, out_len, s, d)
-                      for s, d in zip(seeds, draws_seeds)])
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out-dir", required=True)
@@ -229,11 +222,6 @@ def main() -> int:
             plot(res, out / "policy_sweep.png")
         except Exception as e:  # noqa: BLE001 - a plot failure must not lose the numbers
             res.setdefault("errors", {})["plot"] = repr(e)
-
-    def free() -> None:
-        gc.collect()
-        if not args.smoke:
-            torch.cuda.empty_cache()
 
     seed = iter(range(10_000, 10**9, 7919))  # NOTE: fresh prompts for every run
     start = t0 = time.perf_counter()
