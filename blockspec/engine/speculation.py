@@ -128,14 +128,16 @@ class SpecController:
         if self.mode == "adaptive":
             self.set_policy("adaptive")
 
+    def _bucket(self, num_decoding: int) -> int:
+        """The batch size a step of `num_decoding` sequences is priced at (its graph bucket)."""
+        return self.batch_bucket(num_decoding) if self.batch_bucket is not None else num_decoding
+
     def choose(self, num_decoding: int) -> int:
         """Block length for a step with `num_decoding` decoding sequences (called once per step
         that has any: the policy counts its plain streak in calls)."""
         if self.policy is None:
             return self.fixed_len
-        if self.batch_bucket is not None:
-            num_decoding = self.batch_bucket(num_decoding)
-        return self.policy.choose(num_decoding, self.tracker)
+        return self.policy.choose(self._bucket(num_decoding), self.tracker)
 
     def observe(self, block_len: int, drafted: Sequence[int], accepted: Sequence[int]) -> None:
         if block_len > 1:
@@ -149,13 +151,11 @@ class SpecController:
         if self.overhead is None or self.cost_model is None \
                 or block_len not in self.cost_model.block_lens:
             return
-        b = self.batch_bucket(num_decoding) if self.batch_bucket is not None else num_decoding
+        b = self._bucket(num_decoding)
         self.overhead.observe(b, block_len, self.cost_model.cost(b, block_len), seconds)
 
     def explain(self, num_decoding: int) -> dict[str, Any]:
         """The policy's view for a batch size (side-effect free): rates, tau, acceptance."""
         if self.policy is None:
             return {"mode": "fixed", "choice": self.fixed_len, "batch_size": num_decoding}
-        if self.batch_bucket is not None:
-            num_decoding = self.batch_bucket(num_decoding)
-        return self.policy.explain(num_decoding, self.tracker)
+        return self.policy.explain(self._bucket(num_decoding), self.tracker)
