@@ -51,12 +51,16 @@ class LLM:
             raise
         results: dict[str, RequestOutput] = {}
         show = use_tqdm if use_tqdm is not None else len(prompts) > 4
-        with tqdm(total=len(prompts), desc="generate", unit="req", disable=not show) as bar:
-            while engine.has_unfinished():
-                for out in engine.step():
-                    if out.finished:
-                        results[out.request_id] = out
-                        bar.update(1)
+        engine.closed_batch = True  # NOTE: nothing is added until these are done
+        try:
+            with tqdm(total=len(prompts), desc="generate", unit="req", disable=not show) as bar:
+                while engine.has_unfinished():
+                    for out in engine.step():
+                        if out.finished:
+                            results[out.request_id] = out
+                            bar.update(1)
+        finally:
+            engine.closed_batch = False
         return [results[rid] for rid in ids]
 
 

@@ -235,9 +235,9 @@ def test_probe_pays_the_catch_up(qwen3_path, drafter16):
     r.set_cost_model(StepCostModel({L: {1: 1e-3 * t, 64: 1e-3 * t}
                                     for L, t in {1: 1.0, 4: 1.5, 8: 5.0, 16: 9.0}.items()}))
     ctl = r.controller
-    for _ in range(20):  # evidence: the first draft is never accepted
-        ctl.tracker.observe_many([3] * 4, [0] * 4)
     for price, probes in ((1e-9, True), (1.0, False)):
+        for _ in range(20):  # evidence: the first draft is never accepted
+            ctl.tracker.observe_many([3] * 4, [0] * 4)
         r.lazy.seconds_per_token = price
         llm.engine.spec_stats.block_len_steps.clear()
         llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=360,

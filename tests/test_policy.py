@@ -329,27 +329,6 @@ def test_rates_consistent_with_costs():
 H200_B256_MS = {1: 12.00, 4: 38.12, 8: 69.80, 16: 136.42}
 
 
-def test_step_overhead_moving_average_clipping_and_fallbacks():
-    o = StepOverhead(alpha=0.5)
-    assert o(256, 1) == 0.0
-    o.observe(256, 4, modelled=0.038, wall=0.041)
-    assert o(256, 4) == pytest.approx(0.003)  # the first observation is taken as it is
-    # Plain decode never borrows a speculative step's term; a block borrows plain decode's.
-    assert o(256, 1) == o(256, 16) == 0.0
-    o.observe(256, 1, modelled=0.012, wall=0.016)
-    assert o(256, 1) == pytest.approx(0.004) and o(256, 4) == pytest.approx(0.003)
-    assert o(256, 8) == pytest.approx(0.004)  # unobserved: plain decode's term
-    o.observe(256, 1, modelled=0.012, wall=0.018)
-    assert o(256, 1) == pytest.approx(0.005)
-    o.observe(256, 1, modelled=0.012, wall=10.0)  # an outlier counts as one modelled step at most
-    assert o(256, 1) == pytest.approx(0.0085)
-    o.observe(256, 1, modelled=0.012, wall=0.001)  # faster than modelled: the profile is a floor
-    assert o(256, 1) == pytest.approx(0.00425)
-    assert o(8, 1) == o(8, 4) == 0.0  # per batch size
-    with pytest.raises(ValueError):
-        StepOverhead(alpha=0)
-
-
 def test_live_overhead_moves_the_choice_like_the_h200_measurements():
     """B=256, a=0.86: by the profile alone block 4 is 1.02x plain (under the engine's 1.05 bar:
     plain); with the ~4 ms per step the H200 really paid on top of it, 1.23x: block 4, as the
@@ -377,19 +356,3 @@ def test_live_overhead_moves_the_choice_like_the_h200_measurements():
     assert policy.choose(256, iid_tracker(0.86)) == 8
     overhead.observe(256, 8, cm.cost(256, 8), cm.cost(256, 8) + 0.012)
     assert policy.choose(256, iid_tracker(0.86)) == 1
-
-
-def test_plain_decode_does_not_borrow_a_speculative_steps_overhead():
-    """The H200 a=0.6, B=128 case: an engine that has only run block 4 there (+4.1 ms per step
-    over the profile) must not price plain decode at +4.1 ms too (block 4 would look 1.10x and
-    ran at 0.94x): plain decode stays at the profile until its own steps are observed
-    (+1.8 ms), and block 4 loses either way."""
-    cm = StepCostModel({1: {128: 8.04e-3}, 4: {128: 18.44e-3}})
-    policy = SpeculationPolicy(cm, block_lens=(4,), min_gain=1.05)
-    overhead = StepOverhead()
-    policy.overhead = overhead
-    overhead.observe(128, 4, cm.cost(128, 4), cm.cost(128, 4) + 4.1e-3)
-    assert policy.choose(128, iid_tracker(0.6)) == 1
-    overhead.observe(128, 1, cm.cost(128, 1), cm.cost(128, 1) + 1.8e-3)
-    assert policy.choose(128, iid_tracker(0.6)) == 1
-    assert policy.choose(128, iid_tracker(0.86)) == 4  # a good drafter still speculates there

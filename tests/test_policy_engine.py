@@ -176,6 +176,9 @@ def test_max_block_when_verify_cheap_and_acceptance_high(models_root):
     llm = LLM(str(target), device="cpu", num_kv_blocks=256, draft=str(drafter),
               cost_profile="none")
     llm.engine.runner.set_cost_model(flat_costs({1: 1.0, 4: 1.05, 8: 1.1, 16: 1.2}))
+    # NOTE: evidence first: at the prior's 0.8 per position, block 16's stragglers in this
+    # closed batch (drained_tau) make block 8 the better first step.
+    llm.engine.runner.controller.tracker.observe_many([15] * 8, [15] * 8)
     outs = llm.generate([[1, 2, 3]] * 4, SamplingParams(temperature=0, max_tokens=65,
                                                          ignore_eos=True))
     assert all(o.token_ids == [5] * 65 for o in outs)

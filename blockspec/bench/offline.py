@@ -71,6 +71,8 @@ def run_requests(engine: LLMEngine, prompts: list[list[int]], params: SamplingPa
     start = time.monotonic()
     top_up()
     while in_flight:
+        # NOTE: the last wave drains: the speculation policy prices its stragglers
+        engine.closed_batch = not pending
         if not engine.has_unfinished():
             raise RuntimeError("engine idle with requests in flight")  # an engine bug, not input
         outs = engine.step()
@@ -94,6 +96,7 @@ def run_requests(engine: LLMEngine, prompts: list[list[int]], params: SamplingPa
             spec.merge(m.spec)
             bar.update(1)
         top_up()
+    engine.closed_batch = False
     bar.close()
     return records, time.monotonic() - start, spec
 

@@ -103,6 +103,10 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
         self.requests = self.outputs.requests  # NOTE: the same dict (request id -> EngineRequest)
         self._ids = itertools.count()
+        # NOTE: True while the caller has added every request it will (LLM.generate; a
+        # benchmark's last wave): the batch then drains, and the speculation policy prices its
+        # stragglers (SpeculationPolicy.rates). A server never sets it.
+        self.closed_batch = False
 
     def _set_attention_backend(self, drafter: torch.nn.Module | None) -> None:
         name = self.config.attention_backend
@@ -211,8 +215,11 @@ class LLMEngine:
         if not sched:
             return []
         t1 = time.perf_counter()
-        self.runner.num_unfinished_requests = len(self.scheduler.running) \
+        n = self.runner.num_unfinished_requests = len(self.scheduler.running) \
             + len(self.scheduler.waiting)
+        ctl = self.runner.controller
+        if ctl is not None and ctl.policy is not None:
+            ctl.drain = self._drain(n)
         res = self.runner.execute(sched.seqs, sched.num_new_tokens)
         t2 = time.perf_counter()
         outputs = self._commit(sched, res)
@@ -223,6 +230,16 @@ class LLMEngine:
         timings.postprocess += t3 - t2
         self.runner.observe_step_time(t3 - t0)
         return outputs
+
+    def _drain(self, num_requests: int) -> tuple[int, float] | None:
+        """(requests, most tokens any has left) when the batch drains: `closed_batch` and every
+        unfinished request fits in the running batch (no later one takes a finished one's
+        slot), else None."""
+        if not self.closed_batch or num_requests > self.config.max_num_seqs:
+            return None
+        left = max(s.max_tokens - len(s.output_token_ids)
+                   for s in itertools.chain(self.scheduler.running, self.scheduler.waiting))
+        return num_requests, float(left)
 
     def _commit(self, sched: SchedulerOutput, res: StepResult) -> list[RequestOutput]:
         """Append each sequence's committed tokens, advance its computed tokens, finish it where

@@ -38,8 +38,7 @@ PRIOR_ACCEPTANCE = 0.8
 MAX_EVIDENCE = 1024.0
 # NOTE: speculate only when its modelled rate beats plain decode by 5%: at the margin a wrong
 # "speculate" costs more than a missed one, since the step model leaves out the drafter context
-# a speculating engine writes and a closed batch's stragglers (sequences finishing at different
-# steps). H200, a=0.6, C=128: block 4 modelled ~1.03x plain decoding, measured 0.95x.
+# a speculating engine writes (a draining batch's stragglers it prices: drained_tau).
 MIN_GAIN = 1.05
 # After 32 plain steps, probe with the smallest block once its worst-case extra time is at most
 # 0.5% of the plain streak's (at large batches, where a verify costs several plain steps, that is
@@ -83,6 +82,9 @@ class SpecController:
         # Live per-step overhead over the cost model (StepOverhead), fed by observe_step_time;
         # kept across set_policy, off for a cost model installed by set_cost_model.
         self.overhead: StepOverhead | None = StepOverhead()
+        # (sequences, tokens left) while the batch drains (set per step by the runner), else
+        # None: see SpeculationPolicy.rates.
+        self.drain: tuple[int, float] | None = None
         self.set_policy(mode)
 
     @staticmethod
@@ -137,7 +139,7 @@ class SpecController:
         that has any: the policy counts its plain streak in calls)."""
         if self.policy is None:
             return self.fixed_len
-        return self.policy.choose(self._bucket(num_decoding), self.tracker)
+        return self.policy.choose(self._bucket(num_decoding), self.tracker, self.drain)
 
     def observe(self, block_len: int, drafted: Sequence[int], accepted: Sequence[int]) -> None:
         if block_len > 1:
@@ -158,4 +160,4 @@ class SpecController:
         """The policy's view for a batch size (side-effect free): rates, tau, acceptance."""
         if self.policy is None:
             return {"mode": "fixed", "choice": self.fixed_len, "batch_size": num_decoding}
-        return self.policy.explain(self._bucket(num_decoding), self.tracker)
+        return self.policy.explain(self._bucket(num_decoding), self.tracker, self.drain)

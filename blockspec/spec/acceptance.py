@@ -131,3 +131,18 @@ def expected_committed_from_rates(rates: Sequence[float], block_len: int) -> flo
         reach *= p
         total += reach
     return total
+
+
+def committed_moments_from_rates(rates: Sequence[float], block_len: int) -> tuple[float, float]:
+    """(mean, variance) of the tokens k one verify step of length L commits.
+
+    P(k >= j) = prod_{i<j} p_i (k >= 1 always); E[k] = sum_j P(k >= j) and
+    E[k^2] = sum_j (2j - 1) P(k >= j), for j = 1..L."""
+    if block_len < 1 or len(rates) < block_len - 1:
+        raise ValueError(f"need block_len >= 1 and {block_len - 1} rates, got {len(rates)}")
+    mean, square, reach = 1.0, 1.0, 1.0
+    for j, p in enumerate(rates[:block_len - 1], start=2):
+        reach *= p
+        mean += reach
+        square += (2 * j - 1) * reach
+    return mean, max(0.0, square - mean * mean)

@@ -4,24 +4,63 @@ A speculative step of block length L verifies L tokens (the last committed token
 L - 1 drafts) and commits 1 + (accepted drafts) tokens; plain decode (L = 1) commits exactly one.
 The policy maximises expected committed tokens per second for the current batch:
     rate(L) = B * E[committed | L] / cost(B, L).
+In a draining batch (every request known, all of them running) it prices the stragglers too:
+see `drained_tau`.
 Pure Python (no torch) so it can be unit-tested and profiled on any host.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from statistics import NormalDist
 from typing import Any
 
-from blockspec.spec.acceptance import AcceptanceTracker, expected_committed_from_rates
+from blockspec.spec.acceptance import (
+    AcceptanceTracker,
+    committed_moments_from_rates,
+    expected_committed_from_rates,
+)
+from blockspec.spec.overhead import StepOverhead
 
 __all__ = ["PROFILE_VERSION", "AcceptanceTracker", "SpeculationPolicy", "StepCostModel",
-           "StepOverhead", "expected_committed_from_rates", "profile_key"]
+           "StepOverhead", "drained_tau", "expected_committed_from_rates", "profile_key"]
 
 PROFILE_VERSION = 1
+# Plain decode is sampled for its live overhead (StepOverhead.plain_needs_samples) only where the
+# choice's modelled rate is under this multiple of plain decode's: above it no plausible term
+# for plain decode could change the choice.
+EXPLORE_BELOW = 1.5
+
+
+@functools.lru_cache(maxsize=1024)
+def expected_max_normal(n: int) -> float:
+    """E[max of n independent standard normals] (Blom's approximation; 0 for n <= 1)."""
+    return NormalDist().inv_cdf((n - 0.375) / (n + 0.25)) if n > 1 else 0.0
+
+
+def drained_tau(mean: float, var: float, num_seqs: int, horizon: float) -> float:
+    """Tokens per sequence per step that a draining batch really gets from a block whose steps
+    commit `mean` tokens (variance `var`), when `num_seqs` sequences each have up to `horizon`
+    tokens left and the batch lasts until the slowest is done.
+
+    A sequence needs S steps: E[S] ~ (horizon + overshoot) / mean, where the last step
+    overshoots the horizon by ((var + mean^2) / mean - 1) / 2 tokens on average, and sd(S) ~
+    sqrt(horizon * var / mean^3) (renewal theory); the batch needs E[max S] ~ E[S] +
+    expected_max_normal(num_seqs) sd(S). Plain decode (var 0) needs exactly `horizon`.
+    NOTE: measured on a closed batch at fixed lengths (H200, a=0.6, block 4, 128 sequences of
+    256 tokens): ~118 steps by the mean alone, 134-143 measured, 133 by this; per step block 4
+    beat plain decoding by ~6%, over the run it lost 5%."""
+    if horizon <= 0:
+        return mean
+    overshoot = ((var + mean * mean) / mean - 1.0) / 2.0
+    steps = (horizon + overshoot) / mean \
+        + expected_max_normal(num_seqs) * math.sqrt(horizon * var / mean ** 3)
+    return horizon / max(1.0, steps)
 
 
 def profile_key(model: str, device: str, dtype: Any, kv_block_size: int,
@@ -122,45 +161,6 @@ class StepCostModel:
         return cls.from_json(data)
 
 
-class StepOverhead:
-    """The live correction of a cost model: per (batch size, block length), a moving average of
-    what a decode step really took (wall time, host included) beyond its modelled device time.
-
-    The start-up profile times graph replays at one context length; a served step also pays the
-    host (scheduling, input copies, output processing: ~4 ms at B=256 on an H200 host) and the
-    attention over longer contexts. That makes a plain step dearer relative to a speculative step
-    that commits several tokens (H200, a=0.86, B=256: block 4 commits ~1.2x plain's tokens/s
-    measured, 1.02x by the profile alone).
-    A speculative block length not yet observed at a batch size borrows plain decode's term
-    there (the policy may then try it once and learns its own). Plain decode's own term is never
-    borrowed; it starts at 0 (the profile alone): an engine that had only speculated at a batch
-    size would otherwise price plain decode at a speculative step's overhead and never try it
-    (H200, a=0.6, B=128: plain decode +1.8 ms per step, block 4 +4.1 ms; with the term
-    borrowed, block 4 looked 1.10x plain decoding and ran at 0.94x).
-    NOTE: an observation is clipped to [0, modelled]: the profile stays a lower bound, and one
-    outlier step (a GC pause) moves the estimate by at most `alpha` x one modelled step.
-    """
-
-    def __init__(self, alpha: float = 0.1) -> None:
-        if not 0 < alpha <= 1:
-            raise ValueError(f"alpha must be in (0, 1], got {alpha}")
-        self.alpha = alpha
-        self.seconds: dict[tuple[int, int], float] = {}
-
-    def observe(self, batch_size: int, block_len: int, modelled: float, wall: float) -> None:
-        x = min(max(wall - modelled, 0.0), modelled)
-        key = (batch_size, block_len)
-        prev = self.seconds.get(key)
-        self.seconds[key] = x if prev is None else prev + self.alpha * (x - prev)
-
-    def __call__(self, batch_size: int, block_len: int) -> float:
-        """Seconds to add to a step of `block_len` at `batch_size`."""
-        got = self.seconds.get((batch_size, block_len))
-        if got is None:
-            got = self.seconds.get((batch_size, 1), 0.0)
-        return got
-
-
 class SpeculationPolicy:
     """Chooses plain decode (1) or one of `block_lens` for each step.
 
@@ -198,9 +198,8 @@ class SpeculationPolicy:
         # -> (seconds, horizon)), e.g. the drafter-context catch-up when the engine skipped
         # those writes (lazy_draft_context); `horizon`: tokens per sequence left to amortise it.
         self.switch_cost: Callable[[int, StepCostModel], tuple[float, float]] | None = None
-        # Seconds added to a candidate's modelled step: (batch size, block length) -> seconds
-        # (StepOverhead).
-        self.overhead: Callable[[int, int], float] | None = None
+        # The live per-step overhead added to a candidate's modelled step.
+        self.overhead: StepOverhead | None = None
 
     def step_cost(self, batch_size: int, block_len: int) -> float:
         """The modelled step time plus the live per-step overhead (see StepOverhead)."""
@@ -208,16 +207,20 @@ class SpeculationPolicy:
         return self.cost_model.cost(batch_size, block_len) + extra
 
     def rates(self, batch_size: int, tracker: AcceptanceTracker, switch_s: float = 0.0,
-              horizon: float = 1.0) -> dict[int, float]:
+              horizon: float = 1.0, drain: tuple[int, float] | None = None
+              ) -> dict[int, float]:
         """Expected committed tokens/s for each candidate (1 and every block length).
 
         `switch_s` > 0: a one-time cost of speculating, spread over the `horizon / tau` steps
-        that would commit the `horizon` tokens left (all of it on one step if fewer)."""
+        that would commit the `horizon` tokens left (all of it on one step if fewer).
+        `drain` = (sequences, tokens left): the batch drains (see `drained_tau`)."""
         p = tracker.conditional_rates(max(self.block_lens) - 1)
         out = {1: batch_size / self.step_cost(batch_size, 1)}
         for L in self.block_lens:
-            tau = expected_committed_from_rates(p, L)
+            tau, var = committed_moments_from_rates(p, L)
             step = self.step_cost(batch_size, L) + switch_s * tau / max(horizon, tau)
+            if drain is not None:
+                tau = drained_tau(tau, var, *drain)
             out[L] = batch_size * tau / step
         return out
 
@@ -228,14 +231,21 @@ class SpeculationPolicy:
                 best = L
         return best if rates[best] > self.min_gain * rates[1] else 1
 
-    def choose(self, batch_size: int, tracker: AcceptanceTracker) -> int:
+    def choose(self, batch_size: int, tracker: AcceptanceTracker,
+               drain: tuple[int, float] | None = None) -> int:
         if self.mode == "fixed":
             return self.fixed_len
-        choice = self._best(self.rates(batch_size, tracker))
+        rates = self.rates(batch_size, tracker, drain=drain)
+        choice = self._best(rates)
         if choice != 1 and self.switch_cost is not None:
             switch_s, horizon = self.switch_cost(batch_size, self.cost_model)
             if switch_s > 0:
-                choice = self._best(self.rates(batch_size, tracker, switch_s, horizon))
+                rates = self.rates(batch_size, tracker, switch_s, horizon, drain)
+                choice = self._best(rates)
+        if choice != 1 and self.overhead is not None \
+                and self.overhead.plain_needs_samples(batch_size) \
+                and rates[choice] < EXPLORE_BELOW * rates[1]:
+            choice = 1  # NOTE: measures plain decode's term (see StepOverhead)
         if choice == 1:
             self._plain_streak += 1
             self._plain_time += self.step_cost(batch_size, 1)
@@ -264,13 +274,15 @@ class SpeculationPolicy:
             extra += self.switch_cost(batch_size, self.cost_model)[0]
         return extra <= budget
 
-    def explain(self, batch_size: int, tracker: AcceptanceTracker) -> dict[str, Any]:
-        """Per-candidate expected rate and tau, plus the argmax (side-effect free)."""
+    def explain(self, batch_size: int, tracker: AcceptanceTracker,
+                drain: tuple[int, float] | None = None) -> dict[str, Any]:
+        """Per-candidate expected rate and tau, plus the argmax (side-effect free; without the
+        switch cost and plain decode's sampling steps)."""
         if self.mode == "fixed":
             return {"mode": "fixed", "choice": self.fixed_len, "batch_size": batch_size}
-        rates = self.rates(batch_size, tracker)
+        rates = self.rates(batch_size, tracker, drain=drain)
         return {"mode": self.mode, "batch_size": batch_size, "choice": self._best(rates),
-                "rates": rates,
+                "rates": rates, "drain": drain,
                 "overhead_s": {L: self.step_cost(batch_size, L)
                                - self.cost_model.cost(batch_size, L) for L in rates},
                 "tau": {L: tracker.expected_committed(L) for L in [1, *self.block_lens]},
