@@ -85,10 +85,12 @@ def decode_step_ms(llm: LLM, c: int, out_len: int) -> dict[str, float]:
                                        for s in eng.scheduler.running):
         eng.step()  # prefills (real tiny model)
     before = eng.timings.copy()
+    eng.closed_batch = True  # NOTE: as in LLM.generate: the batch drains
     t0 = time.perf_counter()
     while eng.has_unfinished():
         eng.step()
     wall = time.perf_counter() - t0
+    eng.closed_batch = False
     timings = eng.timings.copy()
     timings.add(before, sign=-1)
     per_step = timings.per_step_ms()

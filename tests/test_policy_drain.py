@@ -15,6 +15,7 @@ from blockspec.spec.acceptance import committed_moments_from_rates
 from blockspec.spec.policy import (
     EXPLORE_BELOW,
     AcceptanceTracker,
+    Drain,
     SpeculationPolicy,
     StepCostModel,
     StepOverhead,
@@ -130,6 +131,52 @@ def test_drained_tau_matches_a_simulated_closed_batch(a, L, n, horizon):
         assert horizon / mean < 0.93 * want
 
 
+def simulated_makespan(left: list[int], a: float, L: int, trials: int, rng: random.Random
+                       ) -> float:
+    total = 0
+    for _ in range(trials):
+        worst = 0
+        for horizon in left:
+            got = steps = 0
+            while got < horizon:
+                k = 1
+                while k < L and rng.random() < a:
+                    k += 1
+                got, steps = got + k, steps + 1
+            worst = max(worst, steps)
+        total += worst
+    return total / trials
+
+
+@pytest.mark.parametrize("a,L,n,done", [(0.6, 4, 64, 60), (0.6, 4, 128, 90), (0.86, 4, 256, 40),
+                                        (0.86, 16, 32, 20)])
+def test_drain_mid_run_races_only_the_requests_near_the_last(a, L, n, done):
+    """Part-way through a closed batch (`done` steps of block L taken, 256 tokens each), the
+    requests' tokens left have spread; the batch's remaining steps follow the request with most
+    left and those near it. Drain.tau predicts a simulation of the rest within 10%, nearer
+    than pricing every request at the most left."""
+    rng = random.Random(n + done)
+    left = [max(1, 256 - sum(_committed(rng, a, L, done))) for _ in range(n)]
+    mean, var = committed_moments_from_rates([a] * (L - 1), L)
+    drain = Drain.of(left)
+    most = drain.left[-1]
+    want = simulated_makespan(left, a, L, trials=20, rng=random.Random(1))
+    got = most / drain.tau(mean, var)
+    everyone = most / drained_tau(mean, var, n, most)
+    assert got == pytest.approx(want, rel=0.1)
+    assert abs(got - want) < abs(everyone - want)
+
+
+def _committed(rng: random.Random, a: float, L: int, steps: int) -> list[int]:
+    out = []
+    for _ in range(steps):
+        k = 1
+        while k < L and rng.random() < a:
+            k += 1
+        out.append(k)
+    return out
+
+
 def test_moments_and_expected_max():
     mean, var = committed_moments_from_rates([0.6] * 3, 4)
     probs = {1: 0.4, 2: 0.24, 3: 0.144, 4: 0.216}
@@ -158,11 +205,11 @@ def test_drain_turns_the_a06_b128_choice_to_plain_and_keeps_a086_b256_on_block_4
         for _ in range(3):
             o.observe(b, L, cm.cost(b, L), cm.cost(b, L) + extra / 1e3)
     assert policy.choose(128, iid_tracker(0.6)) == 4
-    assert policy.choose(128, iid_tracker(0.6), drain=(128, 256)) == 1
-    assert policy.explain(128, iid_tracker(0.6), drain=(128, 256))["choice"] == 1
-    assert policy.choose(256, iid_tracker(0.86), drain=(256, 256)) == 4
+    assert policy.choose(128, iid_tracker(0.6), drain=Drain.of([256] * 128)) == 1
+    assert policy.explain(128, iid_tracker(0.6), drain=Drain.of([256] * 128))["choice"] == 1
+    assert policy.choose(256, iid_tracker(0.86), drain=Drain.of([256] * 256)) == 4
     # Requests that will run far longer: the stragglers matter less.
-    assert policy.choose(128, iid_tracker(0.6), drain=(128, 16384)) == 4
+    assert policy.choose(128, iid_tracker(0.6), drain=Drain.of([16384] * 128)) == 4
 
 
 def test_engine_drains_only_in_a_closed_batch(qwen3_path, drafter16, monkeypatch):
@@ -172,13 +219,16 @@ def test_engine_drains_only_in_a_closed_batch(qwen3_path, drafter16, monkeypatch
     eng = llm.engine
     seen: list = []
     choose = eng.runner.controller.policy.choose
-    monkeypatch.setattr(eng.runner.controller.policy, "choose",
-                        lambda b, t, drain=None: seen.append(drain) or choose(b, t, drain))
+    def spy(b, t, drain=None, n=None):
+        seen.append(drain)
+        return choose(b, t, drain, n)
+
+    monkeypatch.setattr(eng.runner.controller.policy, "choose", spy)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
     llm.generate(prompts, params)
-    assert seen and all(d is not None and d[0] <= 3 for d in seen)
-    assert seen[0] == (3, 5.0)  # the first decode step: 3 requests, 5 tokens left each
+    assert seen and all(d is not None and len(d.left) <= 3 for d in seen)
+    assert seen[0] == Drain((5, 5, 5))  # the first decode step: 3 requests, 5 tokens left each
     assert not eng.closed_batch
     seen.clear()
     eng.add_request([5, 6, 7], params)

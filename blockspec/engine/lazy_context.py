@@ -97,7 +97,12 @@ class LazyDraftContext:
         load = min(max(num_decoding, num_requests), self.max_num_seqs)
         self.load_wants_drafter = False
         if load > num_decoding:
-            plain_at_load = controller.explain(load)["choice"] == 1
+            # NOTE: detach only where plain decode wins outright (not merely under the policy's
+            # min_gain): a wrong detach loses the whole gain for the run, since catching up
+            # later is priced dear; a wrong attach, the drafter context writes.
+            view = controller.explain(load)
+            plain_at_load = (view["choice"] == 1 if view["mode"] == "fixed"
+                             else view["gain"] <= 1.0)
             if plain_at_load and not self.detached:
                 self._detach()
             elif not plain_at_load and controller.mode == "adaptive":

@@ -29,6 +29,7 @@ from blockspec.layers.attention import PagedAttention, get_backend
 from blockspec.models.loader import load_model
 from blockspec.outputs import RequestOutput
 from blockspec.sampling_params import SamplingParams
+from blockspec.spec.drain import Drain
 from blockspec.spec.metrics import SpecStats
 from blockspec.spec.proposer import DFlashProposer, load_drafter
 
@@ -231,15 +232,13 @@ class LLMEngine:
         self.runner.observe_step_time(t3 - t0)
         return outputs
 
-    def _drain(self, num_requests: int) -> tuple[int, float] | None:
-        """(requests, most tokens any has left) when the batch drains: `closed_batch` and every
-        unfinished request fits in the running batch (no later one takes a finished one's
-        slot), else None."""
+    def _drain(self, num_requests: int) -> Drain | None:
+        """The draining batch when `closed_batch` and every unfinished request fits in the
+        running batch (no later one takes a finished one's slot), else None."""
         if not self.closed_batch or num_requests > self.config.max_num_seqs:
             return None
-        left = max(s.max_tokens - len(s.output_token_ids)
-                   for s in itertools.chain(self.scheduler.running, self.scheduler.waiting))
-        return num_requests, float(left)
+        return Drain.of(s.max_tokens - len(s.output_token_ids)
+                        for s in itertools.chain(self.scheduler.running, self.scheduler.waiting))
 
     def _commit(self, sched: SchedulerOutput, res: StepResult) -> list[RequestOutput]:
         """Append each sequence's committed tokens, advance its computed tokens, finish it where

@@ -23,6 +23,7 @@ from typing import Any
 from blockspec.config import ConfigError, EngineConfig
 from blockspec.spec.policy import (
     AcceptanceTracker,
+    Drain,
     SpeculationPolicy,
     StepCostModel,
     StepOverhead,
@@ -36,10 +37,10 @@ HALF_LIFE_STEPS = 64.0
 PRIOR_ACCEPTANCE = 0.8
 # Evidence cap (observations at position 1): a few steps at C=256, plenty for +-0.02 estimates.
 MAX_EVIDENCE = 1024.0
-# NOTE: speculate only when its modelled rate beats plain decode by 5%: at the margin a wrong
+# NOTE: speculate only when its modelled rate beats plain decode by 3%: at the margin a wrong
 # "speculate" costs more than a missed one, since the step model leaves out the drafter context
-# a speculating engine writes (a draining batch's stragglers it prices: drained_tau).
-MIN_GAIN = 1.05
+# a speculating engine writes (a draining batch's stragglers it prices: spec/drain.py).
+MIN_GAIN = 1.03
 # After 32 plain steps, probe with the smallest block once its worst-case extra time is at most
 # 0.5% of the plain streak's (at large batches, where a verify costs several plain steps, that is
 # every few hundred steps).
@@ -82,9 +83,8 @@ class SpecController:
         # Live per-step overhead over the cost model (StepOverhead), fed by observe_step_time;
         # kept across set_policy, off for a cost model installed by set_cost_model.
         self.overhead: StepOverhead | None = StepOverhead()
-        # (sequences, tokens left) while the batch drains (set per step by the runner), else
-        # None: see SpeculationPolicy.rates.
-        self.drain: tuple[int, float] | None = None
+        # Set per step by the engine while the batch drains (see spec/drain.py), else None.
+        self.drain: Drain | None = None
         self.set_policy(mode)
 
     @staticmethod
@@ -139,7 +139,8 @@ class SpecController:
         that has any: the policy counts its plain streak in calls)."""
         if self.policy is None:
             return self.fixed_len
-        return self.policy.choose(self._bucket(num_decoding), self.tracker, self.drain)
+        return self.policy.choose(self._bucket(num_decoding), self.tracker, self.drain,
+                                  num_decoding)
 
     def observe(self, block_len: int, drafted: Sequence[int], accepted: Sequence[int]) -> None:
         if block_len > 1:
@@ -154,10 +155,12 @@ class SpecController:
                 or block_len not in self.cost_model.block_lens:
             return
         b = self._bucket(num_decoding)
-        self.overhead.observe(b, block_len, self.cost_model.cost(b, block_len), seconds)
+        self.overhead.observe(b, block_len, self.cost_model.cost(b, block_len), seconds,
+                              num_decoding)
 
     def explain(self, num_decoding: int) -> dict[str, Any]:
         """The policy's view for a batch size (side-effect free): rates, tau, acceptance."""
         if self.policy is None:
             return {"mode": "fixed", "choice": self.fixed_len, "batch_size": num_decoding}
-        return self.policy.explain(self._bucket(num_decoding), self.tracker, self.drain)
+        return self.policy.explain(self._bucket(num_decoding), self.tracker, self.drain,
+                                   num_decoding)

@@ -4,20 +4,18 @@ A speculative step of block length L verifies L tokens (the last committed token
 L - 1 drafts) and commits 1 + (accepted drafts) tokens; plain decode (L = 1) commits exactly one.
 The policy maximises expected committed tokens per second for the current batch:
     rate(L) = B * E[committed | L] / cost(B, L).
-In a draining batch (every request known, all of them running) it prices the stragglers too:
-see `drained_tau`.
+In a draining batch (every request known, all of them running) it prices the stragglers too
+(spec/drain.py).
 Pure Python (no torch) so it can be unit-tested and profiled on any host.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from statistics import NormalDist
 from typing import Any
 
 from blockspec.spec.acceptance import (
@@ -25,42 +23,18 @@ from blockspec.spec.acceptance import (
     committed_moments_from_rates,
     expected_committed_from_rates,
 )
+from blockspec.spec.drain import Drain, drained_tau, expected_max_normal
 from blockspec.spec.overhead import StepOverhead
 
 __all__ = ["PROFILE_VERSION", "AcceptanceTracker", "SpeculationPolicy", "StepCostModel",
-           "StepOverhead", "drained_tau", "expected_committed_from_rates", "profile_key"]
+           "StepOverhead", "Drain", "drained_tau", "expected_max_normal",
+           "expected_committed_from_rates", "profile_key"]
 
 PROFILE_VERSION = 1
 # Plain decode is sampled for its live overhead (StepOverhead.plain_needs_samples) only where the
 # choice's modelled rate is under this multiple of plain decode's: above it no plausible term
 # for plain decode could change the choice.
 EXPLORE_BELOW = 1.5
-
-
-@functools.lru_cache(maxsize=1024)
-def expected_max_normal(n: int) -> float:
-    """E[max of n independent standard normals] (Blom's approximation; 0 for n <= 1)."""
-    return NormalDist().inv_cdf((n - 0.375) / (n + 0.25)) if n > 1 else 0.0
-
-
-def drained_tau(mean: float, var: float, num_seqs: int, horizon: float) -> float:
-    """Tokens per sequence per step that a draining batch really gets from a block whose steps
-    commit `mean` tokens (variance `var`), when `num_seqs` sequences each have up to `horizon`
-    tokens left and the batch lasts until the slowest is done.
-
-    A sequence needs S steps: E[S] ~ (horizon + overshoot) / mean, where the last step
-    overshoots the horizon by ((var + mean^2) / mean - 1) / 2 tokens on average, and sd(S) ~
-    sqrt(horizon * var / mean^3) (renewal theory); the batch needs E[max S] ~ E[S] +
-    expected_max_normal(num_seqs) sd(S). Plain decode (var 0) needs exactly `horizon`.
-    NOTE: measured on a closed batch at fixed lengths (H200, a=0.6, block 4, 128 sequences of
-    256 tokens): ~118 steps by the mean alone, 134-143 measured, 133 by this; per step block 4
-    beat plain decoding by ~6%, over the run it lost 5%."""
-    if horizon <= 0:
-        return mean
-    overshoot = ((var + mean * mean) / mean - 1.0) / 2.0
-    steps = (horizon + overshoot) / mean \
-        + expected_max_normal(num_seqs) * math.sqrt(horizon * var / mean ** 3)
-    return horizon / max(1.0, steps)
 
 
 def profile_key(model: str, device: str, dtype: Any, kv_block_size: int,
@@ -201,28 +175,34 @@ class SpeculationPolicy:
         # The live per-step overhead added to a candidate's modelled step.
         self.overhead: StepOverhead | None = None
 
-    def step_cost(self, batch_size: int, block_len: int) -> float:
-        """The modelled step time plus the live per-step overhead (see StepOverhead)."""
-        extra = self.overhead(batch_size, block_len) if self.overhead is not None else 0.0
+    def step_cost(self, batch_size: int, block_len: int, num_seqs: int | None = None) -> float:
+        """The modelled step time plus the live per-step overhead (see StepOverhead) for
+        `num_seqs` sequences (default: `batch_size`) in the step of `batch_size`."""
+        extra = (self.overhead(batch_size, block_len, num_seqs)
+                 if self.overhead is not None else 0.0)
         return self.cost_model.cost(batch_size, block_len) + extra
 
     def rates(self, batch_size: int, tracker: AcceptanceTracker, switch_s: float = 0.0,
-              horizon: float = 1.0, drain: tuple[int, float] | None = None
+              horizon: float = 1.0, drain: Drain | None = None, num_seqs: int | None = None
               ) -> dict[int, float]:
         """Expected committed tokens/s for each candidate (1 and every block length).
 
         `switch_s` > 0: a one-time cost of speculating, spread over the `horizon / tau` steps
         that would commit the `horizon` tokens left (all of it on one step if fewer).
-        `drain` = (sequences, tokens left): the batch drains (see `drained_tau`)."""
+        `drain`: the batch drains (see Drain.tau). `num_seqs`: see step_cost."""
         p = tracker.conditional_rates(max(self.block_lens) - 1)
-        out = {1: batch_size / self.step_cost(batch_size, 1)}
+        out = {1: batch_size / self.step_cost(batch_size, 1, num_seqs)}
         for L in self.block_lens:
             tau, var = committed_moments_from_rates(p, L)
-            step = self.step_cost(batch_size, L) + switch_s * tau / max(horizon, tau)
+            step = self.step_cost(batch_size, L, num_seqs) + switch_s * tau / max(horizon, tau)
             if drain is not None:
-                tau = drained_tau(tau, var, *drain)
+                tau = drain.tau(tau, var)
             out[L] = batch_size * tau / step
         return out
+
+    def gain(self, rates: Mapping[int, float]) -> float:
+        """The best speculative rate over plain decode's."""
+        return max(rates[L] for L in self.block_lens) / rates[1]
 
     def _best(self, rates: Mapping[int, float]) -> int:
         best = self.block_lens[0]
@@ -231,16 +211,16 @@ class SpeculationPolicy:
                 best = L
         return best if rates[best] > self.min_gain * rates[1] else 1
 
-    def choose(self, batch_size: int, tracker: AcceptanceTracker,
-               drain: tuple[int, float] | None = None) -> int:
+    def choose(self, batch_size: int, tracker: AcceptanceTracker, drain: Drain | None = None,
+               num_seqs: int | None = None) -> int:
         if self.mode == "fixed":
             return self.fixed_len
-        rates = self.rates(batch_size, tracker, drain=drain)
+        rates = self.rates(batch_size, tracker, drain=drain, num_seqs=num_seqs)
         choice = self._best(rates)
         if choice != 1 and self.switch_cost is not None:
             switch_s, horizon = self.switch_cost(batch_size, self.cost_model)
             if switch_s > 0:
-                rates = self.rates(batch_size, tracker, switch_s, horizon, drain)
+                rates = self.rates(batch_size, tracker, switch_s, horizon, drain, num_seqs)
                 choice = self._best(rates)
         if choice != 1 and self.overhead is not None \
                 and self.overhead.plain_needs_samples(batch_size) \
@@ -248,7 +228,7 @@ class SpeculationPolicy:
             choice = 1  # NOTE: measures plain decode's term (see StepOverhead)
         if choice == 1:
             self._plain_streak += 1
-            self._plain_time += self.step_cost(batch_size, 1)
+            self._plain_time += self.step_cost(batch_size, 1, num_seqs)
             if self.probe_every and self._plain_streak > self.probe_every \
                     and self._probe_affordable(batch_size):
                 self._plain_streak, self._plain_time = 0, 0.0
@@ -274,16 +254,18 @@ class SpeculationPolicy:
             extra += self.switch_cost(batch_size, self.cost_model)[0]
         return extra <= budget
 
-    def explain(self, batch_size: int, tracker: AcceptanceTracker,
-                drain: tuple[int, float] | None = None) -> dict[str, Any]:
-        """Per-candidate expected rate and tau, plus the argmax (side-effect free; without the
-        switch cost and plain decode's sampling steps)."""
+    def explain(self, batch_size: int, tracker: AcceptanceTracker, drain: Drain | None = None,
+                num_seqs: int | None = None) -> dict[str, Any]:
+        """Per-candidate expected rate and tau, plus the argmax and the best speculative gain
+        (side-effect free; without the switch cost and plain decode's sampling steps)."""
         if self.mode == "fixed":
             return {"mode": "fixed", "choice": self.fixed_len, "batch_size": batch_size}
-        rates = self.rates(batch_size, tracker, drain=drain)
+        rates = self.rates(batch_size, tracker, drain=drain, num_seqs=num_seqs)
         return {"mode": self.mode, "batch_size": batch_size, "choice": self._best(rates),
-                "rates": rates, "drain": drain,
-                "overhead_s": {L: self.step_cost(batch_size, L)
+                "gain": self.gain(rates), "rates": rates,
+                "drain": None if drain is None else {"requests": len(drain.left),
+                                                     "most_left": drain.left[-1]},
+                "overhead_s": {L: self.step_cost(batch_size, L, num_seqs)
                                - self.cost_model.cost(batch_size, L) for L in rates},
                 "tau": {L: tracker.expected_committed(L) for L in [1, *self.block_lens]},
                 "acceptance": tracker.conditional_rates(max(self.block_lens) - 1)}
