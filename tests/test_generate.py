@@ -277,6 +277,8 @@ def test_output_kinds(qwen3_path):
              for k in ("cumulative", "delta", "final_only")}
     seen: dict[str, list] = {k: [] for k in kinds}
     by_id = {rid: k for k, rid in kinds.items()}
+    # NOTE: steps skip building outputs while no live request reports every step
+    assert eng.outputs.num_reporting == 2
     while eng.has_unfinished():
         for out in eng.step():
             seen[by_id[out.request_id]].append(out)
@@ -292,6 +294,9 @@ def test_output_kinds(qwen3_path):
     assert all(o.token_ids == o.delta_token_ids and len(o.logprobs) == len(o.token_ids)
                for o in inter)
     assert seen["cumulative"][3].token_ids == want[:4]
+    assert eng.outputs.num_reporting == 0
+    eng.abort(eng.add_request("def foo(x):", params, output_kind="delta"))
+    assert eng.outputs.num_reporting == 0
     with pytest.raises(ConfigError, match="output_kind"):
         eng.add_request("x", params, output_kind="final")
     assert_no_leaks(llm)

@@ -220,7 +220,7 @@ def test_engine_drains_only_in_a_closed_batch(qwen3_path, drafter16, monkeypatch
     seen: list = []
     choose = eng.runner.controller.policy.choose
     def spy(b, t, drain=None, n=None):
-        seen.append(drain)
+        seen.append(drain() if callable(drain) else drain)  # NOTE: built on demand
         return choose(b, t, drain, n)
 
     monkeypatch.setattr(eng.runner.controller.policy, "choose", spy)

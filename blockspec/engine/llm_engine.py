@@ -182,10 +182,10 @@ class LLMEngine:
             gen = torch.Generator(device=self.device)
             gen.manual_seed(params.seed)
         seq = Sequence(request_id, ids, params, max_tokens, generator=gen)
-        self.requests[request_id] = EngineRequest(
+        self.outputs.add(request_id, EngineRequest(
             seq, prompt if isinstance(prompt, str) else None,
             IncrementalDetokenizer(self.tokenizer), incremental=stream or bool(params.stop_strs),
-            output_kind=output_kind)
+            output_kind=output_kind))
         self.scheduler.add(seq)
         return request_id
 
@@ -220,8 +220,11 @@ class LLMEngine:
             + len(self.scheduler.waiting)
         ctl = self.runner.controller
         if ctl is not None and ctl.policy is not None:
-            ctl.drain = self._drain(n)
+            ctl.drain = (self._drain if self.closed_batch and n <= self.config.max_num_seqs
+                         else None)
         res = self.runner.execute(sched.seqs, sched.num_new_tokens)
+        if ctl is not None:
+            ctl.drain = None  # NOTE: this step's state only
         t2 = time.perf_counter()
         outputs = self._commit(sched, res)
         timings = self.runner.timings
@@ -232,13 +235,13 @@ class LLMEngine:
         self.runner.observe_step_time(t3 - t0)
         return outputs
 
-    def _drain(self, num_requests: int) -> Drain | None:
-        """The draining batch when `closed_batch` and every unfinished request fits in the
-        running batch (no later one takes a finished one's slot), else None."""
-        if not self.closed_batch or num_requests > self.config.max_num_seqs:
-            return None
-        return Drain.of(s.max_tokens - len(s.output_token_ids)
-                        for s in itertools.chain(self.scheduler.running, self.scheduler.waiting))
+    def _drain(self) -> Drain | None:
+        """The draining batch, built when the policy asks (see the step's `ctl.drain`): set while
+        `closed_batch` and every unfinished request fits in the running batch (no later one
+        takes a finished one's slot)."""
+        left = [s.max_tokens - len(s.output_token_ids)
+                for s in itertools.chain(self.scheduler.running, self.scheduler.waiting)]
+        return Drain.of(left) if left else None
 
     def _commit(self, sched: SchedulerOutput, res: StepResult) -> list[RequestOutput]:
         """Append each sequence's committed tokens, advance its computed tokens, finish it where
@@ -258,12 +261,17 @@ class LLMEngine:
             reason = self.outputs.append(self.requests[seq.request_id], toks, lps, now)
             if reason is not None:
                 finishing[id(seq)] = reason
+        bm = self.block_manager
         for seq, adv in zip(sched.seqs, res.advance):
             # NOTE: K/V exist for every token but the newest (the target's own pick, or a
             # truncation point when a stop ends the request mid-block).
-            seq.num_computed_tokens = min(seq.num_computed_tokens + adv, seq.num_tokens - 1)
-            self.block_manager.register_full_blocks(seq)
+            seq.num_computed_tokens = min(seq.num_computed_tokens + adv, len(seq.prompt_token_ids)
+                                          + len(seq.output_token_ids) - 1)
+            if bm.enable_prefix_caching:
+                bm.register_full_blocks(seq)
         outputs = []
+        if not finishing and not self.outputs.num_reporting:
+            return outputs  # NOTE: the common step of a batch run: nothing to report
         for seq in res.sampled_seqs:
             if id(seq) in finishing:
                 self.scheduler.finish(seq, *finishing[id(seq)])

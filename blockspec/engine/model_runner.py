@@ -276,8 +276,9 @@ class ModelRunner(MixedStepMixin):
         tables = np.full((n, bufs.block_tables.shape[1]), self.trash_block, dtype=np.int32)
         for i, seq in enumerate(seqs):
             tables[i, :len(seq.block_table)] = seq.block_table
-        bufs.last_tokens[:n].copy_(torch.tensor([s.token_at(s.num_tokens - 1) for s in seqs]),
-                                   non_blocking=True)
+        bufs.last_tokens[:n].copy_(
+            torch.tensor([(s.output_token_ids or s.prompt_token_ids)[-1] for s in seqs]),
+            non_blocking=True)
         ctx = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=n)
         bufs.ctx_lens[:n].copy_(torch.from_numpy(ctx), non_blocking=True)
         bufs.block_tables[:n].copy_(torch.from_numpy(tables), non_blocking=True)
@@ -317,6 +318,10 @@ class ModelRunner(MixedStepMixin):
               acc: torch.Tensor | None, lp: list[Logprobs], q: int) -> StepResult:
         """One host sync, then each sequence's committed tokens: accepted drafts + bonus."""
         n = len(seqs)
+        if acc is None and q == 1:  # plain decode: one token per sequence, no drafts
+            host = self.synced(target.reshape(n))
+            return StepResult([1] * n, list(seqs), [[t] for t in host], [[x] for x in lp],
+                              [0] * n, [0] * n, [1 if self.proposer is not None else 0] * n)
         parts = [target.reshape(n, -1)]
         if acc is not None:
             parts += [drafts[:n], acc[:n, None]]

@@ -36,6 +36,12 @@ class OutputProcessor:
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.requests: dict[str, EngineRequest] = {}
+        # Live requests that report every step (output_kind other than "final_only").
+        self.num_reporting = 0
+
+    def add(self, request_id: str, req: EngineRequest) -> None:
+        self.requests[request_id] = req
+        self.num_reporting += req.output_kind != "final_only"
 
     def append(self, req: EngineRequest, tokens: list[int],
                logprobs: list[dict[int, float] | None], now: float
@@ -43,11 +49,14 @@ class OutputProcessor:
         """Append generated tokens one by one, stopping exactly where decoding would stop.
         Returns (finish_reason, stop_reason) when the request is done."""
         seq, params = req.seq, req.seq.params
-        if seq.metrics.first_token_time is None:
-            seq.metrics.first_token_time = now
+        metrics, out_ids = seq.metrics, seq.output_token_ids
+        if metrics.first_token_time is None:
+            metrics.first_token_time = now
+        # NOTE: a sequence ends by length here at the latest (the context's end, or max_tokens)
+        end = min(seq.max_tokens, self.max_model_len - len(seq.prompt_token_ids))
         for tok, lp in zip(tokens, logprobs):
-            seq.output_token_ids.append(tok)
-            seq.metrics.num_generated_tokens += 1
+            out_ids.append(tok)
+            metrics.num_generated_tokens += 1
             if lp is not None:
                 seq.logprobs.append(lp)
             eos = not params.ignore_eos and tok in self.eos_token_ids
@@ -59,6 +68,8 @@ class OutputProcessor:
                 text = req.detok.add([tok] if keep else [], final=eos or not keep)
                 req.text += text
                 delta = len(text)
+            if not stop_tok and not (delta and params.stop_strs) and len(out_ids) < end:
+                continue  # NOTE: the common token: _check_stop would find nothing
             reason, stop = self._check_stop(req, tok, eos, delta)
             if reason is not None:
                 if not req.incremental:
@@ -115,4 +126,5 @@ class OutputProcessor:
         )
         if finished:
             del self.requests[seq.request_id]
+            self.num_reporting -= req.output_kind != "final_only"
         return out

@@ -63,19 +63,27 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        bm, block_size = self.block_manager, self.block_manager.block_size
+        decode_slots = 1 + self.num_lookahead_slots
+        decode_cost = 1 + min(self.num_lookahead_slots, self.budget_lookahead)
         i = 0
+        # NOTE: the loop runs for every running sequence every step: its decode case is inlined
+        # (lookahead(), num_blocks_needed()), the host's share of a large batch's step.
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            remaining = seq.num_tokens - seq.num_computed_tokens
-            n = min(remaining, budget)
-            slots = n + self.lookahead(remaining)
-            cost = n + min(slots - n, self.budget_lookahead)
+            remaining = len(seq.prompt_token_ids) + len(seq.output_token_ids) \
+                - seq.num_computed_tokens
+            if remaining == 1:
+                n, slots, cost = 1, decode_slots, decode_cost
+            else:
+                n = min(remaining, budget)
+                slots = cost = n
             if cost > budget:
                 break
             # NOTE: a decoding sequence needs a new block only every block_size tokens, so the
-            # common case is needed == 0 (no allocation call at all).
-            needed = self.block_manager.num_blocks_needed(seq, slots)
-            while needed > self.block_manager.num_free_blocks:
+            # common case is needed <= 0 (no allocation call at all).
+            needed = -(-(seq.num_computed_tokens + slots) // block_size) - len(seq.block_table)
+            while needed > len(bm.free_blocks):
                 victim = self.running[-1]
                 self._preempt(victim)
                 out.num_preempted += 1
@@ -83,8 +91,8 @@ class Scheduler:
                     break
             if seq.status != SequenceStatus.RUNNING:
                 break
-            if needed:
-                self.block_manager.allocate(seq, slots)
+            if needed > 0:
+                bm.allocate(seq, slots)
             out.seqs.append(seq)
             out.num_new_tokens.append(n)
             budget -= cost

@@ -23,7 +23,7 @@ from typing import Any
 from blockspec.config import ConfigError, EngineConfig
 from blockspec.spec.policy import (
     AcceptanceTracker,
-    Drain,
+    DrainArg,
     SpeculationPolicy,
     StepCostModel,
     StepOverhead,
@@ -83,8 +83,9 @@ class SpecController:
         # Live per-step overhead over the cost model (StepOverhead), fed by observe_step_time;
         # kept across set_policy, off for a cost model installed by set_cost_model.
         self.overhead: StepOverhead | None = StepOverhead()
-        # Set per step by the engine while the batch drains (see spec/drain.py), else None.
-        self.drain: Drain | None = None
+        # Set per step by the engine while the batch drains (see spec/drain.py): the Drain, or
+        # a function that builds it when the policy needs it; else None.
+        self.drain: DrainArg = None
         self.set_policy(mode)
 
     @staticmethod

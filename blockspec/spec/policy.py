@@ -27,7 +27,7 @@ from blockspec.spec.drain import Drain, drained_tau, expected_max_normal
 from blockspec.spec.overhead import StepOverhead
 
 __all__ = ["PROFILE_VERSION", "AcceptanceTracker", "SpeculationPolicy", "StepCostModel",
-           "StepOverhead", "Drain", "drained_tau", "expected_max_normal",
+           "StepOverhead", "Drain", "DrainArg", "drained_tau", "expected_max_normal",
            "expected_committed_from_rates", "profile_key"]
 
 PROFILE_VERSION = 1
@@ -35,6 +35,8 @@ PROFILE_VERSION = 1
 # choice's modelled rate is under this multiple of plain decode's: above it no plausible term
 # for plain decode could change the choice.
 EXPLORE_BELOW = 1.5
+# A draining batch, or a function that builds it on demand (None where the batch does not drain).
+DrainArg = Drain | Callable[[], Drain | None] | None
 
 
 def profile_key(model: str, device: str, dtype: Any, kv_block_size: int,
@@ -204,6 +206,20 @@ class SpeculationPolicy:
         """The best speculative rate over plain decode's."""
         return max(rates[L] for L in self.block_lens) / rates[1]
 
+    def _priced(self, batch_size: int, tracker: AcceptanceTracker, drain: DrainArg,
+                num_seqs: int | None) -> tuple[dict[int, float], Drain | None]:
+        """The rates, with the drain priced where it could matter. NOTE: a drain only lowers
+        speculative rates, so where plain decode wins without it, it is not built (that walks
+        every request: host time in each plain step of a large batch)."""
+        rates = self.rates(batch_size, tracker, num_seqs=num_seqs)
+        if drain is None or self.gain(rates) <= min(1.0, self.min_gain):
+            return rates, None
+        if callable(drain):
+            drain = drain()
+            if drain is None:
+                return rates, None
+        return self.rates(batch_size, tracker, drain=drain, num_seqs=num_seqs), drain
+
     def _best(self, rates: Mapping[int, float]) -> int:
         best = self.block_lens[0]
         for L in self.block_lens[1:]:
@@ -211,11 +227,13 @@ class SpeculationPolicy:
                 best = L
         return best if rates[best] > self.min_gain * rates[1] else 1
 
-    def choose(self, batch_size: int, tracker: AcceptanceTracker, drain: Drain | None = None,
+    def choose(self, batch_size: int, tracker: AcceptanceTracker, drain: DrainArg = None,
                num_seqs: int | None = None) -> int:
+        """`drain`: the draining batch (see Drain.tau), or a function that builds it on demand
+        (or returns None), else None."""
         if self.mode == "fixed":
             return self.fixed_len
-        rates = self.rates(batch_size, tracker, drain=drain, num_seqs=num_seqs)
+        rates, drain = self._priced(batch_size, tracker, drain, num_seqs)
         choice = self._best(rates)
         if choice != 1 and self.switch_cost is not None:
             switch_s, horizon = self.switch_cost(batch_size, self.cost_model)
@@ -254,13 +272,14 @@ class SpeculationPolicy:
             extra += self.switch_cost(batch_size, self.cost_model)[0]
         return extra <= budget
 
-    def explain(self, batch_size: int, tracker: AcceptanceTracker, drain: Drain | None = None,
+    def explain(self, batch_size: int, tracker: AcceptanceTracker, drain: DrainArg = None,
                 num_seqs: int | None = None) -> dict[str, Any]:
         """Per-candidate expected rate and tau, plus the argmax and the best speculative gain
-        (side-effect free; without the switch cost and plain decode's sampling steps)."""
+        (side-effect free; without the switch cost and plain decode's sampling steps; the drain
+        priced only where plain decode does not already win)."""
         if self.mode == "fixed":
             return {"mode": "fixed", "choice": self.fixed_len, "batch_size": batch_size}
-        rates = self.rates(batch_size, tracker, drain=drain, num_seqs=num_seqs)
+        rates, drain = self._priced(batch_size, tracker, drain, num_seqs)
         return {"mode": self.mode, "batch_size": batch_size, "choice": self._best(rates),
                 "gain": self.gain(rates), "rates": rates,
                 "drain": None if drain is None else {"requests": len(drain.left),
