@@ -14,6 +14,7 @@ from blockspec.bench.offline import run_requests
 from blockspec.spec.acceptance import committed_moments_from_rates
 from blockspec.spec.policy import (
     EXPLORE_BELOW,
+    EXPLORE_MIN_LEFT,
     AcceptanceTracker,
     Drain,
     SpeculationPolicy,
@@ -97,6 +98,19 @@ def test_policy_samples_a_stale_plain_term_like_the_h200_a06_b128_run():
         o.observe(128, 4, cm.cost(128, 4), cm.cost(128, 4) + 2.5e-3)
     assert o.plain_needs_samples(128)
     assert policy.choose(128, iid_tracker(0.86)) == 4  # 1.52x: no sampling
+
+
+def test_no_plain_sampling_near_a_draining_batchs_end():
+    """Sampling plain decode's term costs plain steps; in a draining batch's last tokens the
+    term would serve few steps more, so the policy keeps speculating there."""
+    cm = StepCostModel({1: {8: 6.0e-3}, 4: {8: 9.0e-3}})
+    policy = SpeculationPolicy(cm, block_lens=(4,), min_gain=1.03)
+    policy.overhead = StepOverhead()  # nothing observed: plain decode's term is unknown
+    rates = policy.rates(8, iid_tracker(0.6))
+    assert 1.03 < rates[4] / rates[1] < EXPLORE_BELOW
+    assert policy.choose(8, iid_tracker(0.6), drain=Drain.of([EXPLORE_MIN_LEFT] * 8)) == 1
+    assert policy.choose(8, iid_tracker(0.6), drain=Drain.of([40] * 8)) == 4
+    assert policy.choose(8, iid_tracker(0.6)) == 1  # not draining: sampled
 
 
 def simulated_steps(a: float, L: int, n: int, horizon: int, trials: int, seed: int) -> float:
