@@ -120,3 +120,23 @@ def cpu_llm(model, draft=None, **kw):
 def greedy_token_ids(model, prompts, params) -> list[list[int]]:
     """Plain (no drafter) decoding's outputs: the reference speculative runs must equal."""
     return [o.token_ids for o in cpu_llm(model).generate(prompts, params)]
+
+
+def count_block_len_steps(llm) -> tuple[dict, dict]:
+    """Wrap the runner: engine steps and per-request steps by block length, as run."""
+    engine_steps: dict[int, int] = {}
+    per_req: dict[str, dict[int, int]] = {}
+    execute = llm.engine.runner.execute
+
+    def counting(seqs, num_new):
+        res = execute(seqs, num_new)
+        if res.block_len:
+            engine_steps[res.block_len] = engine_steps.get(res.block_len, 0) + 1
+        for seq, blen in zip(res.sampled_seqs, res.block_lens):
+            if blen:
+                d = per_req.setdefault(seq.request_id, {})
+                d[blen] = d.get(blen, 0) + 1
+        return res
+
+    llm.engine.runner.execute = counting
+    return engine_steps, per_req

@@ -6,7 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import assert_no_leaks, cpu_llm, force_block_lens, greedy_token_ids, random_prompts
+from helpers import (
+    assert_no_leaks,
+    count_block_len_steps,
+    cpu_llm,
+    force_block_lens,
+    greedy_token_ids,
+    random_prompts,
+)
 from spec_models import build_constant_pair
 
 from blockspec import LLM, ConfigError, SamplingParams
@@ -74,8 +81,13 @@ def test_greedy_identical_whatever_block_lengths(qwen3_path, drafter, prompts, a
     (small cache) recompute preemption: the output is the target's."""
     llm = spec_llm(qwen3_path, drafter, **kv)
     force_cycle(llm)
-    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == ar_ref
+    _, per_req = count_block_len_steps(llm)
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == ar_ref
     assert set(llm.engine.spec_stats.block_len_steps) == {1, 4, 8, 16}
+    # Per request, plain steps are settled from token counts: they match the steps run, also
+    # across preemptions (re-prefills emit a token too).
+    assert all(dict(o.metrics.spec.block_len_steps) == per_req[o.request_id] for o in outs)
     if kv["num_kv_blocks"] == 12:
         assert llm.engine.scheduler.num_preemptions > 0
     assert_no_leaks(llm)

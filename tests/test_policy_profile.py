@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
-from helpers import assert_no_leaks
+from helpers import assert_no_leaks, count_block_len_steps
 
 from blockspec import LLM, SamplingParams
 from blockspec.cli import build_parser, engine_kwargs, main
@@ -96,26 +96,6 @@ def test_profile_cache_location(qwen3_path, drafter, tmp_path, monkeypatch):
     assert key["model"].startswith("qwen3@") and key["draft"].startswith("profile-drafter16@")
 
 
-def _count_steps(llm: LLM) -> tuple[dict, dict]:
-    """Wrap the runner: engine steps and per-request steps by block length, as run."""
-    engine_steps: dict[int, int] = {}
-    per_req: dict[str, dict[int, int]] = {}
-    execute = llm.engine.runner.execute
-
-    def counting(seqs, num_new):
-        res = execute(seqs, num_new)
-        if res.block_len:
-            engine_steps[res.block_len] = engine_steps.get(res.block_len, 0) + 1
-        for seq, blen in zip(res.sampled_seqs, res.block_lens):
-            if blen:
-                d = per_req.setdefault(seq.request_id, {})
-                d[blen] = d.get(blen, 0) + 1
-        return res
-
-    llm.engine.runner.execute = counting
-    return engine_steps, per_req
-
-
 def scraped(tc: TestClient) -> dict[int, float]:
     text = tc.get("/metrics").text
     return {int(k): float(v) for k, v in re.findall(
@@ -126,7 +106,7 @@ def test_metrics_show_block_lengths(qwen3_path, drafter, capsys):
     llm = spec_llm(qwen3_path, drafter, cost_profile="none")
     cycle = itertools.cycle([4, 1, 16, 8, 1])
     llm.engine.runner.controller.choose = lambda n: next(cycle)
-    engine_steps, per_req = _count_steps(llm)
+    engine_steps, per_req = count_block_len_steps(llm)
     outs = llm.generate([[1, 2, 3], [9, 8, 7, 6], [5] * 20], GREEDY)
     stats = llm.engine.spec_stats
     assert dict(stats.block_len_steps) == engine_steps and set(engine_steps) == {1, 4, 8, 16}

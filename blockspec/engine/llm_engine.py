@@ -101,7 +101,8 @@ class LLMEngine:
         self.runner = ModelRunner(config, mc, self.model, self.block_manager, self.dtype,
                                   self.max_model_len, proposer, self.spec_block_lens)
         self.spec_stats = SpecStats()
-        self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len)
+        self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len,
+                                       count_plain_steps=proposer is not None)
         self.requests = self.outputs.requests  # NOTE: the same dict (request id -> EngineRequest)
         self._ids = itertools.count()
         # NOTE: True while the caller has added every request it will (LLM.generate; a
@@ -253,12 +254,29 @@ class LLMEngine:
             self.spec_stats.record_block_len(res.block_len)
         for seq, toks, lps, drafted, acc, blen in zip(res.sampled_seqs, res.tokens, res.logprobs,
                                                       res.drafted, res.accepted, res.block_lens):
-            if drafted:  # NOTE: SpecStats.record ignores steps without drafts
-                seq.metrics.spec.record(drafted, acc)
-                self.spec_stats.record(drafted, acc)
-            if spec and blen >= 1:  # inline SpecStats.record_block_len: once per sequence
-                seq.metrics.spec.block_len_steps[blen] += 1
-            reason = self.outputs.append(self.requests[seq.request_id], toks, lps, now)
+            req = self.requests[seq.request_id]
+            if spec and blen != 1:
+                # NOTE: a request's plain-decode steps (blen 1: one token each) are not counted
+                # here, per sequence and step, but from its token counts when its outputs are
+                # built (SpecStats.settle_plain_steps): those of its speculative steps (blen >= 2)
+                # and of its prefills (blen 0, one token each) are counted here.
+                m = seq.metrics.spec
+                if blen == 0:
+                    m.num_prefill_tokens += 1
+                    reason = self.outputs.append(req, toks, lps, now)
+                else:
+                    m.block_len_steps[blen] += 1
+                    if drafted:
+                        m.record(drafted, acc)
+                        self.spec_stats.record(drafted, acc)
+                    before = len(seq.output_token_ids)
+                    reason = self.outputs.append(req, toks, lps, now)
+                    m.num_spec_tokens += len(seq.output_token_ids) - before
+            else:
+                if drafted:  # NOTE: SpecStats.record ignores steps without drafts
+                    seq.metrics.spec.record(drafted, acc)
+                    self.spec_stats.record(drafted, acc)
+                reason = self.outputs.append(req, toks, lps, now)
             if reason is not None:
                 finishing[id(seq)] = reason
         bm = self.block_manager

@@ -31,8 +31,11 @@ class OutputProcessor:
     """The engine's requests (by id) and what turns their committed tokens into outputs."""
 
     def __init__(self, tokenizer: Any, eos_token_ids: tuple[int, ...] | set[int],
-                 max_model_len: int) -> None:
+                 max_model_len: int, count_plain_steps: bool = False) -> None:
+        """`count_plain_steps`: a speculative engine's outputs report their requests' plain
+        decode steps (SpecStats.settle_plain_steps)."""
         self.tokenizer = tokenizer
+        self.count_plain_steps = count_plain_steps
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.requests: dict[str, EngineRequest] = {}
@@ -118,6 +121,8 @@ class OutputProcessor:
         else:
             text, ids = req.text[:visible], list(seq.output_token_ids)
             lps = list(seq.logprobs) if want_lp else None
+        if self.count_plain_steps:
+            seq.metrics.spec.settle_plain_steps(len(seq.output_token_ids))
         out = RequestOutput(
             request_id=seq.request_id, prompt=req.prompt,
             prompt_token_ids=seq.prompt_token_ids, text=text, token_ids=ids, finished=finished,

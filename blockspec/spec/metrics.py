@@ -18,6 +18,10 @@ class SpecStats:
     # engine step (the policy's choice); per request: one count per step of that request (its
     # block, which may be shorter than the choice near the end of the context).
     block_len_steps: Counter = field(default_factory=Counter)
+    # Per request: tokens its prefills emitted and tokens its speculative steps committed; the
+    # rest came one per plain decode step (settle_plain_steps).
+    num_prefill_tokens: int = 0
+    num_spec_tokens: int = 0
 
     def record(self, drafted: int, accepted: int) -> None:
         if drafted <= 0:
@@ -38,6 +42,16 @@ class SpecStats:
         if block_len >= 1:
             self.block_len_steps[block_len] += 1
 
+    def settle_plain_steps(self, num_output_tokens: int) -> None:
+        """Per request: its plain decode steps (block length 1) from its token counts, each such
+        step committing exactly one token. NOTE: counted this way, not per sequence and step,
+        since at large batches that count was a measurable part of a plain step's host time."""
+        plain = num_output_tokens - self.num_prefill_tokens - self.num_spec_tokens
+        if plain > 0:
+            self.block_len_steps[1] = plain
+        else:
+            self.block_len_steps.pop(1, None)
+
     def merge(self, other: SpecStats) -> None:
         for j in range(len(other.drafted_per_position)):
             while len(self.drafted_per_position) <= j:
@@ -50,6 +64,8 @@ class SpecStats:
         self.num_accepted_tokens += other.num_accepted_tokens
         self.acceptance_length_hist.update(other.acceptance_length_hist)
         self.block_len_steps.update(other.block_len_steps)
+        self.num_prefill_tokens += other.num_prefill_tokens
+        self.num_spec_tokens += other.num_spec_tokens
 
     @property
     def mean_acceptance_length(self) -> float:
