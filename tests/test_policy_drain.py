@@ -233,9 +233,9 @@ def test_engine_drains_only_in_a_closed_batch(qwen3_path, drafter16, monkeypatch
     eng = llm.engine
     seen: list = []
     choose = eng.runner.controller.policy.choose
-    def spy(b, t, drain=None, n=None):
+    def spy(b, t, drain=None):
         seen.append(drain() if callable(drain) else drain)  # NOTE: built on demand
-        return choose(b, t, drain, n)
+        return choose(b, t, drain)
 
     monkeypatch.setattr(eng.runner.controller.policy, "choose", spy)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

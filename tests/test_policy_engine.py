@@ -307,15 +307,14 @@ def test_controller_learns_step_overhead_at_the_graph_bucket():
 
     cm = StepCostModel({1: {4: 1.0, 8: 2.0}, 4: {4: 3.0, 8: 6.0}})
     ctl = SpecController([4], "adaptive", cm, batch_bucket=lambda n: 8 if n > 4 else 4)
-    ctl.observe_step_time(5, 1, 2.5)  # bucket 8: 2.0 modelled, 0.5 over for 5 sequences
+    ctl.observe_step_time(5, 1, 2.5)  # bucket 8: 2.0 modelled
     ctl.observe_step_time(6, 4, 7.0)  # the same bucket, block 4: 6.0 modelled
-    # Kept for a full bucket (8 sequences), priced for the sequences a step runs.
-    assert ctl.overhead(8, 1) == pytest.approx(0.8) and ctl.overhead(8, 4) == pytest.approx(8 / 6)
+    assert ctl.overhead(8, 1) == pytest.approx(0.5) and ctl.overhead(8, 4) == pytest.approx(1.0)
     assert ctl.overhead(4, 1) == 0
-    assert ctl.explain(6)["overhead_s"] == pytest.approx({1: 0.6, 4: 1.0})
+    assert ctl.explain(6)["overhead_s"] == pytest.approx({1: 0.5, 4: 1.0})
     ctl.set_policy("fixed", 4)
     ctl.set_policy("adaptive")  # kept across policy switches
-    assert ctl.explain(6)["overhead_s"] == pytest.approx({1: 0.6, 4: 1.0})
+    assert ctl.explain(6)["overhead_s"] == pytest.approx({1: 0.5, 4: 1.0})
     ctl.set_cost_model(cm)  # an installed table is exact: no overhead term, none learned
     ctl.observe_step_time(5, 1, 9.0)
     assert ctl.explain(6)["overhead_s"] == {1: 0.0, 4: 0.0}

@@ -140,8 +140,7 @@ class SpecController:
         that has any: the policy counts its plain streak in calls)."""
         if self.policy is None:
             return self.fixed_len
-        return self.policy.choose(self._bucket(num_decoding), self.tracker, self.drain,
-                                  num_decoding)
+        return self.policy.choose(self._bucket(num_decoding), self.tracker, self.drain)
 
     def observe(self, block_len: int, drafted: Sequence[int], accepted: Sequence[int]) -> None:
         if block_len > 1:
@@ -156,12 +155,10 @@ class SpecController:
                 or block_len not in self.cost_model.block_lens:
             return
         b = self._bucket(num_decoding)
-        self.overhead.observe(b, block_len, self.cost_model.cost(b, block_len), seconds,
-                              num_decoding)
+        self.overhead.observe(b, block_len, self.cost_model.cost(b, block_len), seconds)
 
     def explain(self, num_decoding: int) -> dict[str, Any]:
         """The policy's view for a batch size (side-effect free): rates, tau, acceptance."""
         if self.policy is None:
             return {"mode": "fixed", "choice": self.fixed_len, "batch_size": num_decoding}
-        return self.policy.explain(self._bucket(num_decoding), self.tracker, self.drain,
-                                   num_decoding)
+        return self.policy.explain(self._bucket(num_decoding), self.tracker, self.drain)

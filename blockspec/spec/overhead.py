@@ -30,11 +30,12 @@ class StepOverhead:
     far behind (H200 runs: left at the profile alone (+0), plain decode lost 10% at a=0.86,
     B=256; borrowed and never checked, block 4 ran at 0.94x plain at a=0.6, B=128; a term
     learned in a batch's tail at long contexts (+3.6 ms) and never refreshed did the same).
-    A step's host work and attention grow with the sequences in it, not with its graph bucket:
-    terms are kept per full bucket and scaled by the sequences a step runs (H200, a=0.86,
-    bucket 256: plain decode's term read 2.7 ms after a run that decoded plainly in its tail,
-    4.2 ms after a run of full plain steps; at 2.7 plain decode looked best at the next full
-    load, and that run reached 0.91x the best).
+    NOTE: one term per graph bucket, whatever the sequences in the step: a batch's tail runs
+    fewer than its bucket and may pay another overhead, but an error there corrects itself where
+    it matters: a term read low makes its candidate chosen, and so observed at full load (H200,
+    a=0.86, bucket 256: plain decode's term read 2.7 ms after a tail, 4.2 ms at full load), while
+    a term read high (scaled by the sequences a tail ran, tried in run 12: 5.9 ms at bucket 128
+    against 2.2-3.5 at full load) keeps its candidate unchosen until it goes stale.
     NOTE: an observation is clipped to [0, modelled]: the profile stays a lower bound, and one
     outlier step (a GC pause) moves the estimate by at most one modelled step over the samples
     averaged (the first 1 / alpha are averaged equally, then `alpha` per observation).
@@ -54,16 +55,11 @@ class StepOverhead:
         self._seen: dict[tuple[int, int], int] = {}  # clock at the last observation
         self.clock = 0  # observed steps
 
-    def observe(self, batch_size: int, block_len: int, modelled: float, wall: float,
-                num_seqs: int | None = None) -> None:
-        """`num_seqs` sequences (default `batch_size`) ran in a step of `batch_size` (its graph
-        bucket): the term is kept for a full step, `batch_size / num_seqs` x the observation."""
-        x = min(max(wall - modelled, 0.0), modelled)
-        if num_seqs:
-            x *= batch_size / num_seqs
+    def observe(self, batch_size: int, block_len: int, modelled: float, wall: float) -> None:
         key = (batch_size, block_len)
-        self.clock += 1
+        x = min(max(wall - modelled, 0.0), modelled)
         n = 1 if self._stale(key) else self.samples[key] + 1
+        self.clock += 1
         prev = self.seconds.get(key, x)
         self.seconds[key] = prev + max(self.alpha, 1.0 / n) * (x - prev)
         self.samples[key] = n
@@ -77,16 +73,12 @@ class StepOverhead:
         key = (batch_size, 1)
         return self._stale(key) or self.samples[key] < self.min_samples
 
-    def __call__(self, batch_size: int, block_len: int, num_seqs: int | None = None) -> float:
-        """Seconds to add to a step of `block_len` at `batch_size` running `num_seqs` sequences
-        (default: `batch_size`)."""
-        return self._full(batch_size, block_len) * (num_seqs / batch_size if num_seqs else 1.0)
-
-    def _full(self, batch_size: int, block_len: int) -> float:
+    def __call__(self, batch_size: int, block_len: int) -> float:
+        """Seconds to add to a step of `block_len` at `batch_size`."""
         got = self.seconds.get((batch_size, block_len))
         if got is not None:
             return got
         if block_len != 1:
-            return self._full(batch_size, 1)
+            return self(batch_size, 1)
         spec = [s for (b, L), s in self.seconds.items() if b == batch_size and L != 1]
         return min(spec, default=0.0)

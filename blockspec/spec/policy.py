@@ -182,26 +182,23 @@ class SpeculationPolicy:
         # The live per-step overhead added to a candidate's modelled step.
         self.overhead: StepOverhead | None = None
 
-    def step_cost(self, batch_size: int, block_len: int, num_seqs: int | None = None) -> float:
-        """The modelled step time plus the live per-step overhead (see StepOverhead) for
-        `num_seqs` sequences (default: `batch_size`) in the step of `batch_size`."""
-        extra = (self.overhead(batch_size, block_len, num_seqs)
-                 if self.overhead is not None else 0.0)
+    def step_cost(self, batch_size: int, block_len: int) -> float:
+        """The modelled step time plus the live per-step overhead (see StepOverhead)."""
+        extra = self.overhead(batch_size, block_len) if self.overhead is not None else 0.0
         return self.cost_model.cost(batch_size, block_len) + extra
 
     def rates(self, batch_size: int, tracker: AcceptanceTracker, switch_s: float = 0.0,
-              horizon: float = 1.0, drain: Drain | None = None, num_seqs: int | None = None
-              ) -> dict[int, float]:
+              horizon: float = 1.0, drain: Drain | None = None) -> dict[int, float]:
         """Expected committed tokens/s for each candidate (1 and every block length).
 
         `switch_s` > 0: a one-time cost of speculating, spread over the `horizon / tau` steps
         that would commit the `horizon` tokens left (all of it on one step if fewer).
-        `drain`: the batch drains (see Drain.tau). `num_seqs`: see step_cost."""
+        `drain`: the batch drains (see Drain.tau)."""
         p = tracker.conditional_rates(max(self.block_lens) - 1)
-        out = {1: batch_size / self.step_cost(batch_size, 1, num_seqs)}
+        out = {1: batch_size / self.step_cost(batch_size, 1)}
         for L in self.block_lens:
             tau, var = committed_moments_from_rates(p, L)
-            step = self.step_cost(batch_size, L, num_seqs) + switch_s * tau / max(horizon, tau)
+            step = self.step_cost(batch_size, L) + switch_s * tau / max(horizon, tau)
             if drain is not None:
                 tau = drain.tau(tau, var)
             out[L] = batch_size * tau / step
@@ -211,19 +208,19 @@ class SpeculationPolicy:
         """The best speculative rate over plain decode's."""
         return max(rates[L] for L in self.block_lens) / rates[1]
 
-    def _priced(self, batch_size: int, tracker: AcceptanceTracker, drain: DrainArg,
-                num_seqs: int | None) -> tuple[dict[int, float], Drain | None]:
+    def _priced(self, batch_size: int, tracker: AcceptanceTracker, drain: DrainArg
+                ) -> tuple[dict[int, float], Drain | None]:
         """The rates, with the drain priced where it could matter. NOTE: a drain only lowers
         speculative rates, so where plain decode wins without it, it is not built (that walks
         every request: host time in each plain step of a large batch)."""
-        rates = self.rates(batch_size, tracker, num_seqs=num_seqs)
+        rates = self.rates(batch_size, tracker)
         if drain is None or self.gain(rates) <= min(1.0, self.min_gain):
             return rates, None
         if callable(drain):
             drain = drain()
             if drain is None:
                 return rates, None
-        return self.rates(batch_size, tracker, drain=drain, num_seqs=num_seqs), drain
+        return self.rates(batch_size, tracker, drain=drain), drain
 
     def _best(self, rates: Mapping[int, float]) -> int:
         best = self.block_lens[0]
@@ -232,18 +229,17 @@ class SpeculationPolicy:
                 best = L
         return best if rates[best] > self.min_gain * rates[1] else 1
 
-    def choose(self, batch_size: int, tracker: AcceptanceTracker, drain: DrainArg = None,
-               num_seqs: int | None = None) -> int:
+    def choose(self, batch_size: int, tracker: AcceptanceTracker, drain: DrainArg = None) -> int:
         """`drain`: the draining batch (see Drain.tau), or a function that builds it on demand
         (or returns None), else None."""
         if self.mode == "fixed":
             return self.fixed_len
-        rates, drain = self._priced(batch_size, tracker, drain, num_seqs)
+        rates, drain = self._priced(batch_size, tracker, drain)
         choice = self._best(rates)
         if choice != 1 and self.switch_cost is not None:
             switch_s, horizon = self.switch_cost(batch_size, self.cost_model)
             if switch_s > 0:
-                rates = self.rates(batch_size, tracker, switch_s, horizon, drain, num_seqs)
+                rates = self.rates(batch_size, tracker, switch_s, horizon, drain)
                 choice = self._best(rates)
         if choice != 1 and self.overhead is not None \
                 and self.overhead.plain_needs_samples(batch_size) \
@@ -252,7 +248,7 @@ class SpeculationPolicy:
             choice = 1  # NOTE: measures plain decode's term (see StepOverhead)
         if choice == 1:
             self._plain_streak += 1
-            self._plain_time += self.step_cost(batch_size, 1, num_seqs)
+            self._plain_time += self.step_cost(batch_size, 1)
             if self.probe_every and self._plain_streak > self.probe_every \
                     and self._probe_affordable(batch_size):
                 self._plain_streak, self._plain_time = 0, 0.0
@@ -278,19 +274,19 @@ class SpeculationPolicy:
             extra += self.switch_cost(batch_size, self.cost_model)[0]
         return extra <= budget
 
-    def explain(self, batch_size: int, tracker: AcceptanceTracker, drain: DrainArg = None,
-                num_seqs: int | None = None) -> dict[str, Any]:
+    def explain(self, batch_size: int, tracker: AcceptanceTracker, drain: DrainArg = None
+                ) -> dict[str, Any]:
         """Per-candidate expected rate and tau, plus the argmax and the best speculative gain
         (side-effect free; without the switch cost and plain decode's sampling steps; the drain
         priced only where plain decode does not already win)."""
         if self.mode == "fixed":
             return {"mode": "fixed", "choice": self.fixed_len, "batch_size": batch_size}
-        rates, drain = self._priced(batch_size, tracker, drain, num_seqs)
+        rates, drain = self._priced(batch_size, tracker, drain)
         return {"mode": self.mode, "batch_size": batch_size, "choice": self._best(rates),
                 "gain": self.gain(rates), "rates": rates,
                 "drain": None if drain is None else {"requests": len(drain.left),
                                                      "most_left": drain.left[-1]},
-                "overhead_s": {L: self.step_cost(batch_size, L, num_seqs)
+                "overhead_s": {L: self.step_cost(batch_size, L)
                                - self.cost_model.cost(batch_size, L) for L in rates},
                 "tau": {L: tracker.expected_committed(L) for L in [1, *self.block_lens]},
                 "acceptance": tracker.conditional_rates(max(self.block_lens) - 1)}
