@@ -244,3 +244,25 @@ def test_host_overhead_benchmark(tmp_path):
     # 3 modes x 2 runs x 11 decode steps: 66 steps; forwards: one per (step kind, bucket), the
     # speculative engines' start-up profiles (4 block lengths x 3 buckets each) included
     assert 0 < res["real_forwards"] <= 40
+
+
+def test_policy_replay_simulation():
+    """benchmarks/policy_replay.py replays the policy on run 12's modelled H200 (a labelled
+    simulation): every cell reports every config, the adaptive policy lands near the best of
+    the configs it chooses among, and common random numbers make a round reproducible."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import policy_replay
+
+    res = json.loads((REPO / "benchmarks" / "results" / "policy_sweep_2026-11-30_run12"
+                      / "policy_sweep.json").read_text())
+    res = {**res, "concurrency": [1, 32]}
+    table = policy_replay.replay(res, noise=0.0, rounds=1, seed=0, out_len=64)
+    again = policy_replay.replay(res, noise=0.0, rounds=1, seed=0, out_len=64)
+    assert table == again
+    for cells in table.values():
+        for cell in cells.values():
+            assert set(cell["tok_s"]) == set(policy_replay.CONFIGS)
+            assert cell["vs_best"] > 0.9 and sum(cell["adaptive_steps"].values()) > 0
+    # A good drafter at C=1: block 16, far ahead of plain decoding (the source run: 4.9x).
+    assert table["a=0.86"]["C=1"]["vs_plain"] > 3
+    assert "SIMULATED" in policy_replay.report(table, res)
