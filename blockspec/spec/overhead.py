@@ -27,9 +27,10 @@ class StepOverhead:
     plain decode borrows the smallest speculative term there (a speculative step does at least
     a plain step's host work). A borrowed or stale plain term is then measured at once: while
     `plain_needs_samples`, the policy decodes plainly for a step wherever plain decode is not
-    far behind (H200 runs: left at the profile alone (+0), plain decode lost 10% at a=0.86,
-    B=256; borrowed and never checked, block 4 ran at 0.94x plain at a=0.6, B=128; a term
-    learned in a batch's tail at long contexts (+3.6 ms) and never refreshed did the same).
+    far behind (H200 runs: left at the profile alone (+0), plain decode looked best and the run
+    fell 10% behind block 4 at a=0.86, B=256; borrowed and never checked, block 4 ran at 0.94x
+    plain at a=0.6, B=128; a term learned in a batch's tail (+3.6 ms) and never refreshed did
+    the same).
     NOTE: one term per graph bucket, whatever the sequences in the step: a batch's tail runs
     fewer than its bucket and may pay another overhead, but an error there corrects itself where
     it matters: a term read low makes its candidate chosen, and so observed at full load (H200,
