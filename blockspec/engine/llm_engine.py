@@ -252,6 +252,8 @@ class LLMEngine:
         spec = self.runner.proposer is not None
         if spec:
             self.spec_stats.record_block_len(res.block_len)
+            if res.block_len > 1:
+                self.spec_stats.record_step(res.drafted, res.accepted)
         for seq, toks, lps, drafted, acc, blen in zip(res.sampled_seqs, res.tokens, res.logprobs,
                                                       res.drafted, res.accepted, res.block_lens):
             req = self.requests[seq.request_id]
@@ -266,16 +268,11 @@ class LLMEngine:
                     reason = self.outputs.append(req, toks, lps, now)
                 else:
                     m.block_len_steps[blen] += 1
-                    if drafted:
-                        m.record(drafted, acc)
-                        self.spec_stats.record(drafted, acc)
+                    m.record(drafted, acc)
                     before = len(seq.output_token_ids)
                     reason = self.outputs.append(req, toks, lps, now)
                     m.num_spec_tokens += len(seq.output_token_ids) - before
             else:
-                if drafted:  # NOTE: SpecStats.record ignores steps without drafts
-                    seq.metrics.spec.record(drafted, acc)
-                    self.spec_stats.record(drafted, acc)
                 reason = self.outputs.append(req, toks, lps, now)
             if reason is not None:
                 finishing[id(seq)] = reason

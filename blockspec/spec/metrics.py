@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -11,8 +12,9 @@ class SpecStats:
     num_steps: int = 0  # verify steps that carried at least one draft token
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
-    drafted_per_position: list[int] = field(default_factory=list)
-    accepted_per_position: list[int] = field(default_factory=list)
+    # NOTE: histograms, O(1) per step and sequence (per-position counts derive from them; they
+    # were a loop over the drafts, for every sequence, in every speculative step's host time).
+    drafted_hist: Counter = field(default_factory=Counter)  # drafts in a step -> steps
     acceptance_length_hist: Counter = field(default_factory=Counter)  # tau -> steps
     # Decode steps by block length run (1 = plain decode, no drafts). Engine-wide: one count per
     # engine step (the policy's choice); per request: one count per step of that request (its
@@ -29,14 +31,29 @@ class SpecStats:
         self.num_steps += 1
         self.num_draft_tokens += drafted
         self.num_accepted_tokens += accepted
-        grow = drafted - len(self.drafted_per_position)
-        if grow > 0:
-            self.drafted_per_position += [0] * grow
-            self.accepted_per_position += [0] * grow
-        for j in range(drafted):
-            self.drafted_per_position[j] += 1
-            self.accepted_per_position[j] += j < accepted
+        self.drafted_hist[drafted] += 1
         self.acceptance_length_hist[accepted + 1] += 1
+
+    def record_step(self, drafted: Sequence[int], accepted: Sequence[int]) -> None:
+        """`record` for every sequence of a step at once (the engine-wide statistics)."""
+        for d, a in zip(drafted, accepted):
+            if d > 0:
+                self.num_steps += 1
+                self.num_draft_tokens += d
+                self.num_accepted_tokens += a
+                self.drafted_hist[d] += 1
+                self.acceptance_length_hist[a + 1] += 1
+
+    @property
+    def drafted_per_position(self) -> list[int]:
+        """Steps that drafted position j (j = 1..max drafts)."""
+        return _tail_counts(self.drafted_hist, 0)
+
+    @property
+    def accepted_per_position(self) -> list[int]:
+        """Steps that accepted position j (acceptance is prefix-wise: accepted >= j)."""
+        got = _tail_counts(self.acceptance_length_hist, 1)
+        return got + [0] * (len(self.drafted_per_position) - len(got))
 
     def record_block_len(self, block_len: int) -> None:
         if block_len >= 1:
@@ -53,12 +70,7 @@ class SpecStats:
             self.block_len_steps.pop(1, None)
 
     def merge(self, other: SpecStats) -> None:
-        for j in range(len(other.drafted_per_position)):
-            while len(self.drafted_per_position) <= j:
-                self.drafted_per_position.append(0)
-                self.accepted_per_position.append(0)
-            self.drafted_per_position[j] += other.drafted_per_position[j]
-            self.accepted_per_position[j] += other.accepted_per_position[j]
+        self.drafted_hist.update(other.drafted_hist)
         self.num_steps += other.num_steps
         self.num_draft_tokens += other.num_draft_tokens
         self.num_accepted_tokens += other.num_accepted_tokens
@@ -88,3 +100,13 @@ class SpecStats:
         return (f"acceptance length {self.mean_acceptance_length:.2f} over {self.num_steps} "
                 f"steps; accepted {self.num_accepted_tokens}/{self.num_draft_tokens} drafts; "
                 f"per position: {rates}")
+
+
+def _tail_counts(hist: Counter, offset: int) -> list[int]:
+    """[#(k - offset > j) for j = 0..max - offset - 1] over a histogram of k."""
+    top = max((k for k, v in hist.items() if v), default=offset) - offset
+    out = [0] * max(top, 0)
+    for k, v in hist.items():
+        for j in range(min(k - offset, top)):
+            out[j] += v
+    return out
