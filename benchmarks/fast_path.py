@@ -178,6 +178,10 @@ def pool_runs(runs: list[dict]) -> dict:
         if k in runs[0]:
             vals = [r[k] for r in runs if r.get(k) is not None]
             out[k] = sum(vals) / len(vals) if vals else None
+    if runs[0].get("decode_tok_s") is not None:  # policy_sweep's decode-phase figures
+        out["decode_phase_s"] = sum(r["decode_phase_s"] for r in runs)
+        out["decode_tok_s"] = sum(r["decode_tok_s"] * r["decode_phase_s"] for r in runs) \
+            / out["decode_phase_s"]
     if "step_ms" in runs[0]:
         out["engine_steps"] = sum(r["engine_steps"] for r in runs)
         out["step_ms"] = {k: sum(r["step_ms"].get(k, 0.0) * r["engine_steps"] for r in runs)

@@ -48,6 +48,16 @@ def summarize(res: dict) -> None:
             rows["adaptive / best"].append(f"{r['vs_best']:.3f}x")
         for name, vals in rows.items():
             lines.append(f"| {name} | " + " | ".join(vals) + " |")
+        if all(runs[c]["adaptive"].get("decode_tok_s") and plain[c].get("decode_tok_s")
+               for c in cs):
+            # NOTE: the decode phase alone (after every request's first token), see run_generate
+            lines.append("| decode phase: adaptive / plain | " + " | ".join(
+                f"{runs[c]['adaptive']['decode_tok_s'] / plain[c]['decode_tok_s']:.3f}x"
+                for c in cs) + " |")
+            if all("fixed 4" in runs[c] and runs[c]["fixed 4"].get("decode_tok_s") for c in cs):
+                lines.append("| decode phase: fixed 4 / plain | " + " | ".join(
+                    f"{runs[c]['fixed 4']['decode_tok_s'] / plain[c]['decode_tok_s']:.3f}x"
+                    for c in cs) + " |")
         lines.append("| adaptive block lengths | " + " | ".join(
             " ".join(f"{k}:{v}" for k, v in runs[c]["adaptive"].get("block_len_steps", {})
                      .items()) for c in cs) + " |")

@@ -178,6 +178,13 @@ def test_policy_sweep_smoke(tmp_path):
     assert "repeats" not in res["spec"]["a=0.6"]["C=4"]["plain"]
     assert res["plain"]["C=4"]["repeats"] == 2 and res["plain"]["C=1"]["repeats"] == 4
     assert one["output_tokens"] == sum(r["output_tokens"] for r in one["runs"])
+    # The decode phase (after every request's first token): time within the run's, and pooled
+    # as tokens over time
+    for r in one["runs"]:
+        assert 0 < r["decode_phase_s"] <= r["elapsed_s"] and r["decode_tok_s"] > 0
+    assert one["decode_phase_s"] == pytest.approx(sum(r["decode_phase_s"] for r in one["runs"]))
+    assert min(r["decode_tok_s"] for r in one["runs"]) <= one["decode_tok_s"] \
+        <= max(r["decode_tok_s"] for r in one["runs"])
     for L, n in one["block_len_steps"].items():
         assert n == sum(r["block_len_steps"].get(L, 0) for r in one["runs"])
     # A fixed block under 0.8x the first round's best ran one round only; the rest both.
@@ -202,7 +209,8 @@ def test_policy_sweep_smoke(tmp_path):
     assert res["cost_profile"]["measured"] and set(res["cost_profile"]["times"]) == \
         {"1", "4", "8", "16"}
     assert (tmp_path / "policy_sweep.png").stat().st_size > 0
-    assert "adaptive / best" in (tmp_path / "policy_sweep.md").read_text()
+    md = (tmp_path / "policy_sweep.md").read_text()
+    assert "adaptive / best" in md and "decode phase: adaptive / plain" in md
 
 
 def test_policy_report_run_spread(monkeypatch):
