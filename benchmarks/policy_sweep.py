@@ -140,18 +140,6 @@ def run_generate(setup: Setup, llm: LLM, c: int, out_len: int, seed: int,
     gc0 = GC_PAUSES.seconds
     r, outs = timed_generate(llm, setup.prompts(c, seed), out_len)
     r["gc_ms"] = 1e3 * (GC_PAUSES.seconds - gc0)
-    # The decode phase: from the last request's first token (every request has prefilled) to
-    # the last token, what the speculation policy decides over, free of the prefill's dilution.
-    # Its tokens are estimated per request as the share of its decode time after that moment
-    # (requests that prefilled first decoded a few steps during the prefill phase).
-    m = [o.metrics for o in outs]
-    start = max(x.first_token_time for x in m)
-    decode_s = max(x.finished_time for x in m) - start
-    tokens = sum((x.num_generated_tokens - 1) * (x.finished_time - start)
-                 / (x.finished_time - x.first_token_time)
-                 for x in m if x.finished_time > x.first_token_time)
-    r["decode_phase_s"] = decode_s
-    r["decode_tok_s"] = tokens / decode_s if decode_s > 0 else None
     ctl = engine.runner.controller
     if ctl is not None and ctl.overhead is not None and ctl.mode == "adaptive":
         # The policy's live per-step overhead after the run, ms by (batch bucket, block length).
