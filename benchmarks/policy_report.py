@@ -50,7 +50,8 @@ def summarize(res: dict) -> None:
             lines.append(f"| {name} | " + " | ".join(vals) + " |")
         if all(runs[c]["adaptive"].get("decode_tok_s") and plain[c].get("decode_tok_s")
                for c in cs):
-            # NOTE: the decode phase alone (after every request's first token), see run_generate
+            # NOTE: the decode phase alone (after every request's first token), see
+            # fast_path.decode_phase
             lines.append("| decode phase: adaptive / plain | " + " | ".join(
                 f"{runs[c]['adaptive']['decode_tok_s'] / plain[c]['decode_tok_s']:.3f}x"
                 for c in cs) + " |")

@@ -252,27 +252,24 @@ class LLMEngine:
         spec = self.runner.proposer is not None
         if spec:
             self.spec_stats.record_block_len(res.block_len)
-            if res.block_len > 1:
-                self.spec_stats.record_step(res.drafted, res.accepted)
         for seq, toks, lps, drafted, acc, blen in zip(res.sampled_seqs, res.tokens, res.logprobs,
                                                       res.drafted, res.accepted, res.block_lens):
             req = self.requests[seq.request_id]
-            if spec and blen != 1:
-                # NOTE: a request's plain-decode steps (blen 1: one token each) are not counted
-                # here, per sequence and step, but from its token counts when its outputs are
-                # built (SpecStats.settle_plain_steps): those of its speculative steps (blen >= 2)
-                # and of its prefills (blen 0, one token each) are counted here.
+            # NOTE: a request's plain-decode steps (blen 1: one token each) are not counted here,
+            # per sequence and step, but from its token counts when its outputs are built
+            # (SpecStats.settle_plain_steps): those of its speculative steps (blen >= 2) and of
+            # its prefills (blen 0, one token each) are counted here.
+            if spec and blen >= 2:
                 m = seq.metrics.spec
-                if blen == 0:
-                    m.num_prefill_tokens += 1
-                    reason = self.outputs.append(req, toks, lps, now)
-                else:
-                    m.block_len_steps[blen] += 1
-                    m.record(drafted, acc)
-                    before = len(seq.output_token_ids)
-                    reason = self.outputs.append(req, toks, lps, now)
-                    m.num_spec_tokens += len(seq.output_token_ids) - before
+                m.block_len_steps[blen] += 1
+                m.record(drafted, acc)
+                self.spec_stats.record(drafted, acc)
+                before = len(seq.output_token_ids)
+                reason = self.outputs.append(req, toks, lps, now)
+                m.num_spec_tokens += len(seq.output_token_ids) - before
             else:
+                if spec and blen == 0:
+                    seq.metrics.spec.num_prefill_tokens += 1
                 reason = self.outputs.append(req, toks, lps, now)
             if reason is not None:
                 finishing[id(seq)] = reason

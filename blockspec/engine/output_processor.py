@@ -73,7 +73,7 @@ class OutputProcessor:
                 delta = len(text)
             if not stop_tok and not (delta and params.stop_strs) and len(out_ids) < end:
                 continue  # NOTE: the common token: _check_stop would find nothing
-            reason, stop = self._check_stop(req, tok, eos, delta)
+            reason, stop = self._check_stop(req, tok, eos, delta, end)
             if reason is not None:
                 if not req.incremental:
                     ids = seq.output_token_ids if keep else seq.output_token_ids[:-1]
@@ -81,8 +81,9 @@ class OutputProcessor:
                 return reason, stop
         return None
 
-    def _check_stop(self, req: EngineRequest, tok: int, eos: bool,
-                    delta_len: int) -> tuple[str | None, str | int | None]:
+    def _check_stop(self, req: EngineRequest, tok: int, eos: bool, delta_len: int,
+                    end: int) -> tuple[str | None, str | int | None]:
+        """`end`: the output length at which the sequence stops by length (see append)."""
         seq, params = req.seq, req.seq.params
         if eos:
             return "stop", None
@@ -98,7 +99,7 @@ class OutputProcessor:
                 req.text = req.text[: i + len(s)] if params.include_stop_str_in_output \
                     else req.text[:i]
                 return "stop", s
-        if len(seq.output_token_ids) >= seq.max_tokens or seq.num_tokens >= self.max_model_len:
+        if len(seq.output_token_ids) >= end:
             if req.incremental:
                 req.text += req.detok.add([], final=True)
             return "length", None

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 
@@ -33,16 +32,6 @@ class SpecStats:
         self.num_accepted_tokens += accepted
         self.drafted_hist[drafted] += 1
         self.acceptance_length_hist[accepted + 1] += 1
-
-    def record_step(self, drafted: Sequence[int], accepted: Sequence[int]) -> None:
-        """`record` for every sequence of a step at once (the engine-wide statistics)."""
-        for d, a in zip(drafted, accepted):
-            if d > 0:
-                self.num_steps += 1
-                self.num_draft_tokens += d
-                self.num_accepted_tokens += a
-                self.drafted_hist[d] += 1
-                self.acceptance_length_hist[a + 1] += 1
 
     @property
     def drafted_per_position(self) -> list[int]:
