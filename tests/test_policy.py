@@ -255,6 +255,40 @@ def test_probe_after_plain_streak():
     assert {no_probe.choose(128, t) for _ in range(20)} == {1}
 
 
+def test_plain_choice_is_repriced_every_recheck_plain_steps(monkeypatch):
+    """A plain choice made on the rates holds for RECHECK_PLAIN - 1 more steps at the same batch
+    size and evidence; new evidence or another batch size re-prices at once."""
+    from blockspec.spec import policy as policy_mod
+
+    policy = SpeculationPolicy(design_costs(), min_gain=1.0)
+    priced = []
+    rates = policy.rates
+    monkeypatch.setattr(policy, "rates", lambda *a, **k: priced.append(a[0]) or rates(*a, **k))
+    t = iid_tracker(0.3)
+    assert [policy.choose(128, t) for _ in range(16)] == [1] * 16
+    assert len(priced) == -(-16 // policy_mod.RECHECK_PLAIN) < 16
+    policy.choose(64, t)  # another batch size
+    assert priced[-1] == 64
+    feed(t, 0.95, steps=50)  # new evidence: re-priced, and speculation wins at once
+    assert policy.choose(64, t) > 1 and len(priced) == 4
+    assert policy.choose(1, t) > 1 and len(priced) == 5  # speculative choices are never held
+
+
+def test_probe_asks_the_switch_cost_every_recheck_plain_steps():
+    """The probe's affordability check re-asks the switch cost (it walks the batch) only every
+    RECHECK_PLAIN streak steps."""
+    from blockspec.spec import policy as policy_mod
+
+    cm = StepCostModel({1: {1: 1.0}, 4: {1: 1.1}})  # plain wins: only the probe asks
+    policy = SpeculationPolicy(cm, (4,), probe_every=2, probe_overhead=0.5)
+    asked = []
+    policy.switch_cost = lambda b, m: asked.append(b) or (1e9, 1.0)  # never affordable
+    t = iid_tracker(0.01)
+    n = 4 * policy_mod.RECHECK_PLAIN
+    assert {policy.choose(1, t) for _ in range(n)} == {1}
+    assert len(asked) == 4
+
+
 def test_switch_cost_is_amortised_over_the_horizon():
     """A one-time cost of speculating (the lazy context's catch-up) is spread over the steps
     that commit the tokens left: a long horizon absorbs it, a short one or a dear one does not,

@@ -4,6 +4,8 @@ the choices under forced step costs, fixed mode, and the benchmark hooks."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from helpers import (
@@ -346,3 +348,25 @@ def test_engine_reports_all_decode_step_times(qwen3_path, drafter, prompts, monk
     assert [(n, L) for n, L, _ in seen] == [t for d, t in flagged if d]
     assert all(s > 0 for _, _, s in seen)
     assert runner.timed_step is None
+
+
+def test_step_time_leaves_out_finishing_requests(qwen3_path, drafter, prompts, monkeypatch):
+    """The wall time handed to the policy leaves out the work of finishing requests (freeing,
+    final outputs), paid per request whatever the block length: a closed batch that finishes in
+    one step would otherwise record it as one very dear decode step."""
+    llm = spec_llm(qwen3_path, drafter, cost_profile="none", lazy_draft_context=False)
+    eng = llm.engine
+    seen = []
+    monkeypatch.setattr(eng.runner.controller, "observe_step_time",
+                        lambda n, L, s: seen.append(s))
+    finish = eng.scheduler.finish
+
+    def slow_finish(*args, **kw):
+        time.sleep(0.2)
+        return finish(*args, **kw)
+
+    monkeypatch.setattr(eng.scheduler, "finish", slow_finish)
+    force_cycle(llm, [1])  # plain decode: the three requests finish in the same step
+    llm.generate(prompts[:3], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert seen and max(seen) < 0.2
+    assert eng.finish_seconds >= 0.6  # the last step's three finishes, measured

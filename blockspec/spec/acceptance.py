@@ -33,6 +33,7 @@ class AcceptanceTracker:
         self.prior_weight = float(prior_weight)
         self.reached: list[float] = []
         self.accepted: list[float] = []
+        self.num_updates = 0  # observations taken (not ticks): a policy's memo checks it
 
     def tick(self) -> None:
         """Decay without an observation (e.g. a plain-decode step), so stale evidence fades."""
@@ -52,6 +53,7 @@ class AcceptanceTracker:
         for j in range(min(accepted + 1, drafted)):  # index j is position j + 1
             self.reached[j] += 1.0
             self.accepted[j] += j < accepted
+        self.num_updates += 1
         self._cap()
 
     def observe_many(self, drafted: Sequence[int], accepted: Sequence[int]) -> None:
@@ -88,6 +90,7 @@ class AcceptanceTracker:
             acc -= acc_end[j]
             self.reached[j] += reach
             self.accepted[j] += acc
+        self.num_updates += 1
         self._cap()
 
     def _cap(self) -> None:
