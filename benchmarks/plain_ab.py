@@ -1,0 +1,173 @@
+"""Adaptive speculation deciding plain decode vs the engine without a drafter: paired runs at one
+cell (issue 7's all-plain cells), one H200.
+
+Where the policy decodes plainly (a=0.6 from C=128 in policy_sweep), the speculative engine runs
+the plain engine's device work (its detached plain step, lazy drafter context), so any gap
+between the two is host time. This measures it: --pairs rounds of one closed batch on each
+engine (the order alternating), the same shapes and setup as policy_sweep, and for every
+all-decode step its wall time by part (schedule, runner host, device wait, postprocess), so the
+prefill, which dominates the runs' per-step averages, stays out. One more run of each engine
+under cProfile lists the functions with the most own time in its all-decode steps.
+Writes plain_ab.json to --out-dir.
+
+Usage: python benchmarks/plain_ab.py --out-dir DIR [--concurrency 128] [--acceptance 0.6]
+       python benchmarks/plain_ab.py --out-dir DIR --smoke   (CPU, tiny random models)
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import datetime
+import gc
+import io
+import json
+import pstats
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from fast_path import git_commit, timed_generate  # noqa: E402
+from policy_sweep import WARMUP_TOKENS, Setup  # noqa: E402
+
+from blockspec import LLM  # noqa: E402
+
+PARTS = ("schedule", "runner_host", "device_wait", "postprocess")
+
+
+class DecodeStepClock:
+    """Per all-decode step: wall time and the engine's timings by part (ms)."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.engine = llm.engine
+        self.rows: list[dict[str, float]] = []
+        self.profile: cProfile.Profile | None = None
+        self._all_decode = self._prev_all_decode = False
+        runner = self.engine.runner
+        execute, step = runner.execute, self.engine.step
+
+        def timed_execute(seqs, num_new_tokens):
+            self._all_decode = all(n == 1 and s.num_computed_tokens == s.num_tokens - 1
+                                   for s, n in zip(seqs, num_new_tokens))
+            return execute(seqs, num_new_tokens)
+
+        def timed_step():
+            t = self.engine.timings
+            before = [getattr(t, k) for k in PARTS]
+            self._all_decode = False
+            # NOTE: a closed batch decodes to its end once every request has prefilled: the
+            # step after an all-decode step is one too (the profile then sees decode steps only).
+            profiled = self.profile is not None and self._prev_all_decode
+            if profiled:
+                self.profile.enable()
+            t0 = time.perf_counter()
+            out = step()
+            wall = time.perf_counter() - t0
+            if profiled:
+                self.profile.disable()
+            self._prev_all_decode = self._all_decode
+            if self._all_decode:
+                row = {k: 1e3 * (getattr(t, k) - b) for k, b in zip(PARTS, before)}
+                row["wall"] = 1e3 * wall
+                self.rows.append(row)
+            return out
+
+        runner.execute = timed_execute
+        self.engine.step = timed_step
+
+    def take(self) -> list[dict[str, float]]:
+        rows, self.rows = self.rows, []
+        return rows
+
+
+def summary(rows: list[dict[str, float]]) -> dict[str, float]:
+    """Median ms per all-decode step by part (the medians leave out a run's odd stalls) and the
+    mean wall."""
+    out = {k: statistics.median(r[k] for r in rows) for k in (*PARTS, "wall")}
+    out["mean_wall"] = statistics.fmean(r["wall"] for r in rows)
+    out["steps"] = len(rows)
+    return out
+
+
+def top_functions(prof: cProfile.Profile, n: int = 25) -> list[str]:
+    s = io.StringIO()
+    pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(n)
+    return [line.rstrip() for line in s.getvalue().splitlines() if "(" in line]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out-dir", required=True)
+    ap.add_argument("--concurrency", type=int, default=128)
+    ap.add_argument("--acceptance", type=float, default=0.6)
+    ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--pairs", type=int, default=6)
+    ap.add_argument("--smoke", action="store_true")
+    args = ap.parse_args()
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    c, out_len = args.concurrency, args.output_len
+    if args.smoke:
+        c, out_len = min(c, 8), min(out_len, 16)
+    setup = Setup(args.smoke, Path(tempfile.mkdtemp()), None)
+    engines = {"plain": setup.llm(draft=False),
+               "adaptive": setup.llm(draft=True, acceptance=args.acceptance)}
+    engines["adaptive"].engine.runner.set_policy("adaptive")
+    clocks = {name: DecodeStepClock(llm) for name, llm in engines.items()}
+    gc.collect()
+    gc.freeze()  # NOTE: as policy_sweep does (a serving process after start-up)
+    seeds = iter(range(20_000, 10**9, 7919))
+    res = {"benchmark": "plain_ab: adaptive deciding plain vs plain decoding, paired runs",
+           "command": "python benchmarks/plain_ab.py " + " ".join(sys.argv[1:]),
+           "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+           "torch": torch.__version__, "commit": git_commit(),
+           "date": datetime.date.today().isoformat(), "concurrency": c,
+           "acceptance": args.acceptance, "output_len": out_len, "pairs": []}
+    for name, llm in engines.items():
+        timed_generate(llm, setup.prompts(c, next(seeds)), WARMUP_TOKENS)
+        clocks[name].take()
+    for k in range(args.pairs):
+        pair = {}
+        for name in (["plain", "adaptive"] if k % 2 == 0 else ["adaptive", "plain"]):
+            r, _ = timed_generate(engines[name], setup.prompts(c, next(seeds)), out_len)
+            pair[name] = {"output_tok_s": r["output_tok_s"], "decode_phase_s": r["decode_phase_s"],
+                          "steps": summary(clocks[name].take())}
+            if name == "adaptive":
+                lazy = engines[name].engine.runner.lazy
+                pair[name]["detached"] = lazy.detached if lazy is not None else None
+        pair["decode_phase_ratio"] = pair["adaptive"]["decode_phase_s"] \
+            / pair["plain"]["decode_phase_s"]
+        pair["median_wall_diff_ms"] = pair["adaptive"]["steps"]["wall"] \
+            - pair["plain"]["steps"]["wall"]
+        res["pairs"].append(pair)
+        print(f"pair {k}: decode phase adaptive / plain {pair['decode_phase_ratio']:.3f}, "
+              f"median all-decode step {pair['plain']['steps']['wall']:.3f} -> "
+              f"{pair['adaptive']['steps']['wall']:.3f} ms", flush=True)
+    diffs = [p["median_wall_diff_ms"] for p in res["pairs"]]
+    res["median_wall_diff_ms"] = statistics.median(diffs)
+    res["parts_diff_ms"] = {k: statistics.median(p["adaptive"]["steps"][k]
+                                                 - p["plain"]["steps"][k] for p in res["pairs"])
+                            for k in (*PARTS, "wall")}
+    res["profiles"] = {}
+    for name, llm in engines.items():
+        clocks[name].profile = cProfile.Profile()
+        timed_generate(llm, setup.prompts(c, next(seeds)), out_len)
+        res["profiles"][name] = top_functions(clocks[name].profile)
+        clocks[name].profile = None
+        clocks[name].take()
+    gc.unfreeze()
+    (out / "plain_ab.json").write_text(json.dumps(res, indent=1) + "\n")
+    print(json.dumps({k: res[k] for k in ("median_wall_diff_ms", "parts_diff_ms")}, indent=1))
+    for name, lines in res["profiles"].items():
+        print(f"== {name}: own time in all-decode steps (cProfile)")
+        print("\n".join(lines[:20]))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
