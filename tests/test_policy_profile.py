@@ -233,6 +233,30 @@ def test_policy_report_run_spread(monkeypatch):
     assert "plain 10.0%, adaptive 0.0%" in res["table_md"]
 
 
+def test_plain_ab_smoke(tmp_path):
+    """benchmarks/plain_ab.py --smoke: alternating pairs, each engine's all-decode steps timed by
+    part (only those: a closed batch of 8 x 16 tokens has 15 decode steps at most), and a
+    cProfile of each engine's decode steps."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "plain_ab.py"), "--smoke",
+                           "--pairs", "2", "--out-dir", str(tmp_path)], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads((tmp_path / "plain_ab.json").read_text())
+    assert len(res["pairs"]) == 2 and (res["concurrency"], res["output_len"]) == (8, 16)
+    for pair in res["pairs"]:
+        for name in ("plain", "adaptive"):
+            steps = pair[name]["steps"]
+            assert 0 < steps["steps"] <= 15
+            assert steps["wall"] >= steps["runner_host"] > 0
+        assert pair["decode_phase_ratio"] > 0
+    assert set(res["parts_diff_ms"]) == {"schedule", "runner_host", "device_wait",
+                                         "postprocess", "wall"}
+    for lines in res["profiles"].values():
+        assert any("_execute_decode" in line for line in lines)
+        assert not any("_execute_mixed" in line for line in lines)  # decode steps only
+
+
 def test_host_overhead_benchmark(tmp_path):
     """benchmarks/host_overhead.py (in a subprocess: it stubs the decode step's forward): every
     mode reports host ms per all-decode step, and the stub really skipped the device work (a
