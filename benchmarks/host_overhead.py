@@ -8,7 +8,9 @@ what is timed is the engine around it (scheduler, runner input preparation and o
 commit, output processing). The sampled tokens are then meaningless; prefills run the real
 (tiny) model. Reported: ms per all-decode step by part (minimum over --repeats runs), for plain
 decoding (no drafter), the adaptive engine deciding plain decode (lazy drafter context, so
-detached) and a fixed block 4.
+detached; its cost table makes speculation hopeless, so it times the plain path, not the pricing),
+a fixed block 4, and the adaptive engine choosing block 4 on every step (adaptive-spec: the
+pricing of every candidate included).
 
 Usage: python benchmarks/host_overhead.py [--concurrency 256] [--out FILE.json]
 """
@@ -69,6 +71,12 @@ def make_engine(root: Path, mode: str, c: int) -> LLM:
         # Speculation priced 100x a plain step: the policy decodes plainly (and detaches).
         runner.set_cost_model(StepCostModel({L: {1: 1e-3 * (1 if L == 1 else 100)}
                                              for L in (1, 4, 8, 16)}))
+    elif mode == "adaptive-spec":
+        # Block 4 priced far ahead of every other candidate: the policy speculates at block 4
+        # every step, pricing every candidate (drain, catch-up price) as it does on real costs;
+        # against fixed4, the host time of the choice itself.
+        runner.set_cost_model(StepCostModel({1: {1: 1e-3}, 4: {1: 1.2e-3}, 8: {1: 3e-3},
+                                             16: {1: 6e-3}}))
     elif mode == "fixed4":
         runner.set_policy("fixed", 4)
     return llm
@@ -104,7 +112,7 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=256)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--modes", default="plain,adaptive-plain,fixed4")
+    ap.add_argument("--modes", default="plain,adaptive-plain,fixed4,adaptive-spec")
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     args = ap.parse_args()
     torch.set_num_threads(1)

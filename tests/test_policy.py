@@ -262,8 +262,9 @@ def test_plain_choice_is_repriced_every_recheck_plain_steps(monkeypatch):
 
     policy = SpeculationPolicy(design_costs(), min_gain=1.0)
     priced = []
-    rates = policy.rates
-    monkeypatch.setattr(policy, "rates", lambda *a, **k: priced.append(a[0]) or rates(*a, **k))
+    cands = policy._candidates
+    monkeypatch.setattr(policy, "_candidates",
+                        lambda *a, **k: priced.append(a[0]) or cands(*a, **k))
     t = iid_tracker(0.3)
     assert [policy.choose(128, t) for _ in range(16)] == [1] * 16
     assert len(priced) == -(-16 // policy_mod.RECHECK_PLAIN) < 16

@@ -197,6 +197,18 @@ def test_moments_and_expected_max():
     assert mean == pytest.approx(sum(k * p for k, p in probs.items()))
     assert var == pytest.approx(sum(k * k * p for k, p in probs.items()) - mean ** 2)
     assert committed_moments_from_rates([], 1) == (1.0, 0.0)
+    # Several block lengths in one pass: the same as one at a time, by exact distributions.
+    rates = [0.9, 0.7, 0.5, 0.8, 0.6, 0.3, 0.95]
+    both = committed_moments_from_rates(rates, [8, 2, 4])
+    assert set(both) == {2, 4, 8}
+    for L, (m, v) in both.items():
+        reach = [1.0]
+        for p in rates[:L - 1]:
+            reach.append(reach[-1] * p)  # P(k >= j + 1)
+        pk = [reach[j] - (reach[j + 1] if j + 1 < L else 0.0) for j in range(L)]
+        assert m == pytest.approx(sum((j + 1) * q for j, q in enumerate(pk)))
+        assert v == pytest.approx(sum((j + 1) ** 2 * q for j, q in enumerate(pk)) - m * m)
+        assert committed_moments_from_rates(rates, L) == (m, v)
     assert expected_max_normal(1) == 0.0
     assert expected_max_normal(2) == pytest.approx(0.5642, abs=0.03)  # 1 / sqrt(pi)
     assert expected_max_normal(128) == pytest.approx(2.6, abs=0.03)

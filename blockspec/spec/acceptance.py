@@ -136,16 +136,27 @@ def expected_committed_from_rates(rates: Sequence[float], block_len: int) -> flo
     return total
 
 
-def committed_moments_from_rates(rates: Sequence[float], block_len: int) -> tuple[float, float]:
-    """(mean, variance) of the tokens k one verify step of length L commits.
+def committed_moments_from_rates(rates: Sequence[float], block_len: int | Sequence[int]
+                                 ) -> tuple[float, float] | dict[int, tuple[float, float]]:
+    """(mean, variance) of the tokens k one verify step of length L commits; for a sequence of
+    block lengths, a dict of them by length (one pass over the positions).
 
     P(k >= j) = prod_{i<j} p_i (k >= 1 always); E[k] = sum_j P(k >= j) and
     E[k^2] = sum_j (2j - 1) P(k >= j), for j = 1..L."""
-    if block_len < 1 or len(rates) < block_len - 1:
-        raise ValueError(f"need block_len >= 1 and {block_len - 1} rates, got {len(rates)}")
+    lens = [block_len] if isinstance(block_len, int) else sorted(block_len)
+    if not lens or lens[0] < 1 or len(rates) < lens[-1] - 1:
+        raise ValueError(f"need block lengths >= 1 and {lens[-1] - 1 if lens else 0} rates, "
+                         f"got {len(rates)}")
+    out: dict[int, tuple[float, float]] = {}
     mean, square, reach = 1.0, 1.0, 1.0
-    for j, p in enumerate(rates[:block_len - 1], start=2):
-        reach *= p
-        mean += reach
-        square += (2 * j - 1) * reach
-    return mean, max(0.0, square - mean * mean)
+    want = iter(lens)
+    L = next(want)
+    for j in range(1, lens[-1] + 1):
+        if j > 1:
+            reach *= rates[j - 2]
+            mean += reach
+            square += (2 * j - 1) * reach
+        while L == j:
+            out[L] = (mean, max(0.0, square - mean * mean))
+            L = next(want, None)
+    return out[block_len] if isinstance(block_len, int) else out

@@ -85,6 +85,7 @@ class StepCostModel:
         if 1 not in table:
             raise ValueError("plain decode (block length 1) must be measured")
         self._table = table
+        self._memo: dict[tuple[int, int], float] = {}  # NOTE: the table never changes
 
     @property
     def block_lens(self) -> list[int]:
@@ -97,8 +98,15 @@ class StepCostModel:
         bucket's time (a step never gets cheaper than its smallest graph); beyond the largest,
         proportional to batch size (t(B) = t(Bmax) * B / Bmax).
         """
+        got = self._memo.get((batch_size, block_len))
+        if got is not None:
+            return got
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        got = self._memo[batch_size, block_len] = self._interpolate(batch_size, block_len)
+        return got
+
+    def _interpolate(self, batch_size: int, block_len: int) -> float:
         pts = self._table.get(block_len)
         if pts is None:
             raise KeyError(f"block length {block_len} was not measured ({self.block_lens})")
@@ -205,11 +213,26 @@ class SpeculationPolicy:
         `switch_s` > 0: a one-time cost of speculating, spread over the `horizon / tau` steps
         that would commit the `horizon` tokens left (all of it on one step if fewer).
         `drain`: the batch drains (see Drain.tau)."""
-        p = tracker.conditional_rates(max(self.block_lens) - 1)
-        out = {1: batch_size / self.step_cost(batch_size, 1)}
+        return self._rates(batch_size, self._candidates(batch_size, tracker), switch_s, horizon,
+                           drain)
+
+    def _candidates(self, batch_size: int, tracker: AcceptanceTracker
+                    ) -> tuple[dict[int, tuple[float, float]], dict[int, float]]:
+        """(mean, variance) of the tokens each block length commits, and every candidate's step
+        time: what one choice prices, computed once (the host pays for every step's choice)."""
+        p = tracker.conditional_rates(self.block_lens[-1] - 1)
+        moments = committed_moments_from_rates(p, self.block_lens)
+        return moments, {L: self.step_cost(batch_size, L) for L in (1, *self.block_lens)}
+
+    def _rates(self, batch_size: int, cands: tuple[dict[int, tuple[float, float]],
+                                                   dict[int, float]],
+               switch_s: float = 0.0, horizon: float = 1.0, drain: Drain | None = None
+               ) -> dict[int, float]:
+        moments, costs = cands
+        out = {1: batch_size / costs[1]}
         for L in self.block_lens:
-            tau, var = committed_moments_from_rates(p, L)
-            step = self.step_cost(batch_size, L) + switch_s * tau / max(horizon, tau)
+            tau, var = moments[L]
+            step = costs[L] + switch_s * tau / max(horizon, tau)
             if drain is not None:
                 tau = drain.tau(tau, var)
             out[L] = batch_size * tau / step
@@ -224,14 +247,18 @@ class SpeculationPolicy:
         """The rates, with the drain priced where it could matter. NOTE: a drain only lowers
         speculative rates, so where plain decode wins without it, it is not built (that walks
         every request: host time in each plain step of a large batch)."""
-        rates = self.rates(batch_size, tracker)
+        return self._priced_from(batch_size, self._candidates(batch_size, tracker), drain)
+
+    def _priced_from(self, batch_size: int, cands: tuple, drain: DrainArg
+                     ) -> tuple[dict[int, float], Drain | None]:
+        rates = self._rates(batch_size, cands)
         if drain is None or self.gain(rates) <= min(1.0, self.min_gain):
             return rates, None
         if callable(drain):
             drain = drain()
             if drain is None:
                 return rates, None
-        return self.rates(batch_size, tracker, drain=drain), drain
+        return self._rates(batch_size, cands, drain=drain), drain
 
     def _best(self, rates: Mapping[int, float]) -> int:
         best = self.block_lens[0]
@@ -250,12 +277,13 @@ class SpeculationPolicy:
             self._memo_left -= 1
             return self._plain(batch_size)
         self._memo_left = 0
-        rates, drain = self._priced(batch_size, tracker, drain)
+        cands = self._candidates(batch_size, tracker)
+        rates, drain = self._priced_from(batch_size, cands, drain)
         choice = self._best(rates)
         if choice != 1 and self.switch_cost is not None:
             switch_s, horizon = self.switch_cost(batch_size, self.cost_model)
             if switch_s > 0:
-                rates = self.rates(batch_size, tracker, switch_s, horizon, drain)
+                rates = self._rates(batch_size, cands, switch_s, horizon, drain)
                 choice = self._best(rates)
         if choice == 1:
             self._memo_left, self._memo_key = RECHECK_PLAIN - 1, key
