@@ -8,6 +8,8 @@ engine (the order alternating), the same shapes and setup as policy_sweep, and f
 all-decode step its wall time by part (schedule, runner host, device wait, postprocess), so the
 prefill, which dominates the runs' per-step averages, stays out. One more run of each engine
 under cProfile lists the functions with the most own time in its all-decode steps.
+`--between L` runs an untimed fixed-L batch on the speculative engine before each adaptive run
+(policy_sweep switches configs between runs; whether that matters is what it tests).
 Writes plain_ab.json to --out-dir.
 
 Usage: python benchmarks/plain_ab.py --out-dir DIR [--concurrency 128] [--acceptance 0.6]
@@ -107,6 +109,10 @@ def main() -> int:
     ap.add_argument("--acceptance", type=float, default=0.6)
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--pairs", type=int, default=6)
+    ap.add_argument("--between", type=int, default=0, metavar="L",
+                    help="before each timed adaptive run, an untimed closed batch on the same "
+                         "engine at fixed block L, then back to adaptive (as policy_sweep "
+                         "switches its configs between runs); 0: none")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
     out = Path(args.out_dir)
@@ -127,13 +133,21 @@ def main() -> int:
            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
            "torch": torch.__version__, "commit": git_commit(),
            "date": datetime.date.today().isoformat(), "concurrency": c,
-           "acceptance": args.acceptance, "output_len": out_len, "pairs": []}
+           "acceptance": args.acceptance, "output_len": out_len, "between": args.between,
+           "between_runs": 0, "pairs": []}
     for name, llm in engines.items():
         timed_generate(llm, setup.prompts(c, next(seeds)), WARMUP_TOKENS)
         clocks[name].take()
     for k in range(args.pairs):
         pair = {}
         for name in (["plain", "adaptive"] if k % 2 == 0 else ["adaptive", "plain"]):
+            if name == "adaptive" and args.between:
+                runner = engines[name].engine.runner
+                runner.set_policy("fixed", args.between)
+                timed_generate(engines[name], setup.prompts(c, next(seeds)), out_len)
+                runner.set_policy("adaptive")
+                clocks[name].take()
+                res["between_runs"] += 1
             r, _ = timed_generate(engines[name], setup.prompts(c, next(seeds)), out_len)
             pair[name] = {"output_tok_s": r["output_tok_s"], "decode_phase_s": r["decode_phase_s"],
                           "steps": summary(clocks[name].take())}
@@ -153,6 +167,9 @@ def main() -> int:
     res["parts_diff_ms"] = {k: statistics.median(p["adaptive"]["steps"][k]
                                                  - p["plain"]["steps"][k] for p in res["pairs"])
                             for k in (*PARTS, "wall")}
+    # Engine steps by block length over the whole run (the --between batches' included).
+    res["adaptive_engine_block_len_steps"] = {
+        str(L): n for L, n in sorted(engines["adaptive"].engine.spec_stats.block_len_steps.items())}
     res["profiles"] = {}
     for name, llm in engines.items():
         clocks[name].profile = cProfile.Profile()

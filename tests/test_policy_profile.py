@@ -239,11 +239,14 @@ def test_plain_ab_smoke(tmp_path):
     cProfile of each engine's decode steps."""
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(REPO))
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "plain_ab.py"), "--smoke",
-                           "--pairs", "2", "--out-dir", str(tmp_path)], env=env, cwd=REPO,
+                           "--pairs", "2", "--between", "4", "--out-dir", str(tmp_path)],
+                          env=env, cwd=REPO,
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads((tmp_path / "plain_ab.json").read_text())
     assert len(res["pairs"]) == 2 and (res["concurrency"], res["output_len"]) == (8, 16)
+    assert (res["between"], res["between_runs"]) == (4, 2)
+    assert res["adaptive_engine_block_len_steps"].get("4", 0) > 0
     for pair in res["pairs"]:
         for name in ("plain", "adaptive"):
             steps = pair[name]["steps"]
