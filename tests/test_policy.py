@@ -270,9 +270,11 @@ def test_plain_choice_is_repriced_every_recheck_plain_steps(monkeypatch):
     assert len(priced) == -(-16 // policy_mod.RECHECK_PLAIN) < 16
     policy.choose(64, t)  # another batch size
     assert priced[-1] == 64
+    policy.choose(64, iid_tracker(0.3))  # another tracker (reset statistics), same evidence count
+    assert len(priced) == 4
     feed(t, 0.95, steps=50)  # new evidence: re-priced, and speculation wins at once
-    assert policy.choose(64, t) > 1 and len(priced) == 4
-    assert policy.choose(1, t) > 1 and len(priced) == 5  # speculative choices are never held
+    assert policy.choose(64, t) > 1 and len(priced) == 5
+    assert policy.choose(1, t) > 1 and len(priced) == 6  # speculative choices are never held
 
 
 def test_probe_asks_the_switch_cost_every_recheck_plain_steps():

@@ -197,7 +197,7 @@ class SpeculationPolicy:
         self.overhead: StepOverhead | None = None
         # Plain choices left before re-pricing, and what they hold for (see RECHECK_PLAIN).
         self._memo_left = 0
-        self._memo_key: tuple[int, int, int] | None = None
+        self._memo_key: tuple[int, AcceptanceTracker, int] | None = None
         # (plain streak, seconds) of the probe's last switch_cost (see _probe_affordable).
         self._probe_switch: tuple[int | None, float] = (None, 0.0)
 
@@ -272,7 +272,9 @@ class SpeculationPolicy:
         (or returns None), else None."""
         if self.mode == "fixed":
             return self.fixed_len
-        key = (batch_size, id(tracker), tracker.num_updates)
+        # NOTE: the tracker itself is kept (compared by identity), not its id(), which a new
+        # tracker could reuse once the old one is gone.
+        key = (batch_size, tracker, tracker.num_updates)
         if self._memo_left and key == self._memo_key:
             self._memo_left -= 1
             return self._plain(batch_size)
