@@ -33,7 +33,7 @@ import torch
 from blockspec.config import EngineConfig
 from blockspec.engine.context_staging import STAGING_STEPS
 from blockspec.layers.attention import PagedAttention
-from blockspec.spec.policy import StepCostModel, profile_key
+from blockspec.spec.cost_model import StepCostModel, profile_key
 
 if TYPE_CHECKING:
     from blockspec.engine.model_runner import ModelRunner

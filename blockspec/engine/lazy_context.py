@@ -35,7 +35,7 @@ from blockspec.engine.sequence import Sequence
 from blockspec.engine.speculation import SpecController
 from blockspec.layers.attention import AttentionMetadata
 from blockspec.models.qwen3 import CausalLM
-from blockspec.spec.policy import StepCostModel
+from blockspec.spec.cost_model import StepCostModel
 from blockspec.spec.proposer import DFlashProposer
 
 # Consecutive plain choices before detaching: a catch-up costs a target pass over every skipped

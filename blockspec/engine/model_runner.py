@@ -38,7 +38,7 @@ from blockspec.engine.step_result import Logprobs, StepResult, StepTimings
 from blockspec.layers.attention import PagedAttention
 from blockspec.layers.sampler import SamplingTensors, sample
 from blockspec.models.qwen3 import CausalLM
-from blockspec.spec.policy import StepCostModel
+from blockspec.spec.cost_model import StepCostModel
 from blockspec.spec.proposer import DFlashProposer
 from blockspec.spec.verify import num_accepted
 
