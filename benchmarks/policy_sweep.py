@@ -5,11 +5,11 @@ Random weights of real shapes (Qwen3-8B target, 5-layer DFlash drafter with bloc
 tokens, C in --concurrency, no prefix caching, fresh prompts per run, two engines loaded side by
 side (36 GiB of KV cache each):
   1. plain decoding: the engine WITHOUT a drafter;
-  2. ONE speculative engine (block sizes 4, 8, 16, graphs for each, start-up cost profile) in the
-     LABELLED synthetic-acceptance mode (each draft position accepted with probability a; the
-     text is not the target's, this mode exists for system timings only): fixed 4, fixed 8,
-     fixed 16 and adaptive, switched at run time (`runner.set_policy`,
-     `runner.set_synthetic_acceptance`).
+  2. ONE speculative engine (the engine's default block sizes 2, 4, 8, 16, graphs for each,
+     start-up cost profile) in the LABELLED synthetic-acceptance mode (each draft position
+     accepted with probability a; the text is not the target's, this mode exists for system
+     timings only): fixed 4, fixed 8, fixed 16 and adaptive, switched at run time
+     (`runner.set_policy`, `runner.set_synthetic_acceptance`).
 For each a in --acceptance and each C, after an 8-token warm-up of each engine at that C, the
 five configs run round-robin (--repeats rounds, --c1-repeats at C=1, --high-c-repeats from
 C=128; the order rotated each round), so plain and adaptive are timed minutes apart at most; a
@@ -83,9 +83,9 @@ class Setup:
             self.input_len, self.vocab = 512, 151000
 
     def llm(self, draft: bool, acceptance: float | None = None) -> LLM:
-        spec = dict(draft=str(self.drafter), block_size=16, block_sizes=(4, 8, 16),
-                    speculation_policy="adaptive", synthetic_acceptance=acceptance,
-                    benchmark_mode=True, cost_profile=self.cost_profile,
+        spec = dict(draft=str(self.drafter), block_size=16, speculation_policy="adaptive",
+                    synthetic_acceptance=acceptance, benchmark_mode=True,
+                    cost_profile=self.cost_profile,
                     lazy_draft_context=self.lazy_draft_context) if draft else {}
         if self.smoke:
             return LLM(str(self.target), device="cpu", num_kv_blocks=1024, max_model_len=256,

@@ -57,7 +57,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "policy)")
     d.add_argument("--block-sizes", type=block_sizes_arg, default=None, metavar="4,8,16",
                    help="block lengths the adaptive policy may run (each gets CUDA graphs; "
-                        "default: 4, 8, 16 up to the max block, plus the max block)")
+                        "default: 2, 4, 8, 16 up to the max block, plus the max block)")
     d.add_argument("--cost-profile", default=None, metavar="PATH",
                    help="step-cost profile file, measured at start-up and reused while the "
                         "model, device, dtype and block lengths match (default: a file under "

@@ -205,7 +205,7 @@ class EngineConfig:
     # Without a drafter the policy and the profile are ignored, and `block_sizes` is refused.
     speculation_policy: str = "adaptive"
     # Block lengths the adaptive policy may run (the max block is always one). None: those of
-    # 4, 8, 16 below the max block, plus the max block (`block_size`, else the largest given
+    # 2, 4, 8, 16 below the max block, plus the max block (`block_size`, else the largest given
     # here, else the drafter's trained block size).
     block_sizes: tuple[int, ...] | None = None
     # Step-cost profile file (adaptive mode). None: a cache file under ~/.cache/blockspec

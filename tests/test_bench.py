@@ -251,7 +251,7 @@ def test_bench_offline_synthetic_is_labelled(qwen3_path, models_root, tmp_path, 
     assert rc == 0, err
     res = json.loads(out.read_text())
     assert res["synthetic"] is True and res["synthetic_acceptance"] == 0.75
-    assert "SYNTHETIC" in res["label"] and "block 4" in res["label"]
+    assert "SYNTHETIC" in res["label"] and "blocks 2/4" in res["label"]
     acc = res["levels"][0]["acceptance"]
     assert 1.0 <= acc["mean_acceptance_length"] <= 4.0
     assert len(acc["acceptance_rate_per_position"]) == 3

@@ -230,7 +230,8 @@ def test_probe_pays_the_catch_up(qwen3_path, drafter16):
     more, and its catch-up at least one plain step: affordable after 300 plain steps.)"""
     from blockspec.spec.policy import StepCostModel
 
-    llm = spec_llm(qwen3_path, drafter16, speculation_policy="adaptive")
+    llm = spec_llm(qwen3_path, drafter16, speculation_policy="adaptive",
+                   block_sizes=(4, 8, 16))  # NOTE: the costs below are for these
     r = llm.engine.runner
     r.set_cost_model(StepCostModel({L: {1: 1e-3 * t, 64: 1e-3 * t}
                                     for L, t in {1: 1.0, 4: 1.5, 8: 5.0, 16: 9.0}.items()}))
@@ -254,7 +255,8 @@ def test_return_to_speculation_pays_the_catch_up(qwen3_path, drafter16):
     (no drafter work to the end), a cheap one lets it catch up and speculate."""
     from blockspec.spec.policy import StepCostModel
 
-    llm = spec_llm(qwen3_path, drafter16, speculation_policy="adaptive")
+    llm = spec_llm(qwen3_path, drafter16, speculation_policy="adaptive",
+                   block_sizes=(4, 8, 16))  # NOTE: the costs below are for these
     r = llm.engine.runner
     ms = {1: (1.0, 1.0), 4: (1.2, 5.0), 8: (5.0, 9.0), 16: (9.0, 17.0)}  # (B=1, B=2)
     r.set_cost_model(StepCostModel({L: {1: 1e-3 * a, 2: 1e-3 * b} for L, (a, b) in ms.items()}))
@@ -279,7 +281,7 @@ def test_load_rule_detaches_before_the_prefills(qwen3_path, drafter16, prompts, 
     requests finish and the load falls, the switch is priced; output stays the target's."""
     from blockspec.spec.policy import StepCostModel
 
-    llm = spec_llm(qwen3_path, drafter16, speculation_policy="adaptive",
+    llm = spec_llm(qwen3_path, drafter16, speculation_policy="adaptive", block_sizes=(4, 8, 16),
                    max_num_batched_tokens=96, max_num_seqs=6)
     r = llm.engine.runner
     # ms at B = 1, 3, 6: at 2-3 decoding sequences block 4 would pay (the prior: 2.95 tokens
@@ -335,7 +337,7 @@ def test_load_rule_reattaches_for_new_prefills(qwen3_path, drafter16, prompts, a
     stays the target's."""
     from blockspec.spec.policy import StepCostModel
 
-    llm = spec_llm(qwen3_path, drafter16, speculation_policy="adaptive",
+    llm = spec_llm(qwen3_path, drafter16, speculation_policy="adaptive", block_sizes=(4, 8, 16),
                    max_num_batched_tokens=96, max_num_seqs=6)
     eng, r = llm.engine, llm.engine.runner
     r.set_cost_model(StepCostModel({1: {1: 1e-3}, 4: {1: 9e-3}, 8: {1: 17e-3},

@@ -22,7 +22,8 @@ from blockspec import LLM, ConfigError, SamplingParams
 from blockspec.spec.policy import AcceptanceTracker, SpeculationPolicy, StepCostModel
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
-CYCLE = [1, 4, 16, 8, 1, 1, 16, 4, 8, 8, 1, 16]  # covers every change between 1, 4, 8, 16
+# Covers every change between 1, 2, 4, 8, 16.
+CYCLE = [1, 4, 16, 8, 1, 1, 16, 4, 8, 8, 1, 16, 2, 2, 8, 2, 1, 2, 16, 2, 4, 2]
 
 
 @pytest.fixture(scope="module")
@@ -57,12 +58,12 @@ def test_defaults_and_config(qwen3_path, drafter):
     llm = spec_llm(qwen3_path, drafter)
     r = llm.engine.runner
     assert llm.engine.config.speculation_policy == "adaptive"
-    assert r.spec_lens == [4, 8, 16] and sorted(r.steps) == [1, 4, 8, 16]
+    assert r.spec_lens == [2, 4, 8, 16] and sorted(r.steps) == [1, 2, 4, 8, 16]
     assert llm.engine.spec_block_size == 16 and llm.engine.lookahead_slots() == 15
     assert r.cost_profile_info["measured"] and set(r.cost_profile_info["times"]) == \
-        {"1", "4", "8", "16"}
+        {"1", "2", "4", "8", "16"}
     small = spec_llm(qwen3_path, drafter, block_size=8)
-    assert small.engine.runner.spec_lens == [4, 8]
+    assert small.engine.runner.spec_lens == [2, 4, 8]
     mine = spec_llm(qwen3_path, drafter, block_sizes=(2, 6))
     assert mine.engine.runner.spec_lens == [2, 6] and mine.engine.spec_block_size == 6
     for kw, msg in [(dict(block_sizes=(4, 32)), "block sizes 32 must be in"),
@@ -79,14 +80,14 @@ def test_defaults_and_config(qwen3_path, drafter):
 @pytest.mark.parametrize("kv", [dict(num_kv_blocks=512),
                                 dict(num_kv_blocks=12, max_num_batched_tokens=64)])
 def test_greedy_identical_whatever_block_lengths(qwen3_path, drafter, prompts, ar_ref, kv):
-    """Every step change among 1, 4, 8, 16, with mixed prefill/decode steps, chunked prefill and
+    """Every step change among 1, 2, 4, 8, 16, with mixed prefill/decode steps, chunked prefill and
     (small cache) recompute preemption: the output is the target's."""
     llm = spec_llm(qwen3_path, drafter, **kv)
     force_cycle(llm)
     _, per_req = count_block_len_steps(llm)
     outs = llm.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == ar_ref
-    assert set(llm.engine.spec_stats.block_len_steps) == {1, 4, 8, 16}
+    assert set(llm.engine.spec_stats.block_len_steps) == {1, 2, 4, 8, 16}
     # Per request, plain steps are settled from token counts: they match the steps run, also
     # across preemptions (re-prefills emit a token too).
     assert all(dict(o.metrics.spec.block_len_steps) == per_req[o.request_id] for o in outs)
@@ -139,7 +140,7 @@ def _cache_rows(llm: LLM, seq, n: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def test_kv_and_drafter_context_consistent_across_block_lengths(qwen3_path, drafter):
-    """Synthetic acceptance commits several tokens per step; after steps of 1, 4, 8, 16 in turn,
+    """Synthetic acceptance commits several tokens per step; after steps of 1, 2, 4, 8, 16,
     the target's and the drafter's caches hold exactly what one prefill of the same tokens
     writes. (A plain step whose staged drafter context were never written, or written to the
     wrong slots, would fail this: the run ends on plain steps and flushes explicitly.)"""
@@ -152,7 +153,7 @@ def test_kv_and_drafter_context_consistent_across_block_lengths(qwen3_path, draf
     seq = a.engine.requests[rid].seq
     while len(seq.output_token_ids) < 60:
         a.engine.step()
-    assert set(a.engine.spec_stats.block_len_steps) == {1, 4, 8, 16}
+    assert set(a.engine.spec_stats.block_len_steps) == {1, 2, 4, 8, 16}
     assert a.engine.spec_stats.num_accepted_tokens > 10
     force_cycle(a, [1])
     for _ in range(3):
@@ -177,7 +178,7 @@ def test_kv_and_drafter_context_consistent_across_block_lengths(qwen3_path, draf
 
 def test_plain_when_verify_expensive_and_acceptance_low(qwen3_path, drafter, prompts, ar_ref):
     llm = spec_llm(qwen3_path, drafter)
-    llm.engine.runner.set_cost_model(flat_costs({1: 1.0, 4: 10.0, 8: 20.0, 16: 40.0}))
+    llm.engine.runner.set_cost_model(flat_costs({1: 1.0, 2: 5.0, 4: 10.0, 8: 20.0, 16: 40.0}))
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == ar_ref
     assert set(llm.engine.spec_stats.block_len_steps) == {1}
     assert llm.engine.spec_stats.num_steps == 0
@@ -189,7 +190,7 @@ def test_max_block_when_verify_cheap_and_acceptance_high(models_root):
                                           name="const16")
     llm = LLM(str(target), device="cpu", num_kv_blocks=256, draft=str(drafter),
               cost_profile="none")
-    llm.engine.runner.set_cost_model(flat_costs({1: 1.0, 4: 1.05, 8: 1.1, 16: 1.2}))
+    llm.engine.runner.set_cost_model(flat_costs({1: 1.0, 2: 1.02, 4: 1.05, 8: 1.1, 16: 1.2}))
     # NOTE: evidence first: at the prior's 0.8 per position, block 16's stragglers in this
     # closed batch (drained_tau) make block 8 the better first step.
     llm.engine.runner.controller.tracker.observe_many([15] * 8, [15] * 8)
@@ -200,7 +201,7 @@ def test_max_block_when_verify_cheap_and_acceptance_high(models_root):
     ctl = llm.engine.runner.controller
     assert ctl.explain(4)["choice"] == 16 and ctl.tracker.conditional_rates()[0] > 0.9
     # Same pair, costs where a middle block wins: 8 costs little more than 4, 16 twice as much.
-    llm.engine.runner.set_cost_model(flat_costs({1: 1.0, 4: 1.0, 8: 1.1, 16: 3.0}))
+    llm.engine.runner.set_cost_model(flat_costs({1: 1.0, 2: 1.0, 4: 1.0, 8: 1.1, 16: 3.0}))
     assert ctl.explain(4)["choice"] == 8
     assert_no_leaks(llm)
 
@@ -210,13 +211,13 @@ def test_probe_after_plain_streak(qwen3_path, drafter):
     drafter context kept whole: a detached engine's probe also pays a catch-up, see
     test_lazy_context)."""
     llm = spec_llm(qwen3_path, drafter, lazy_draft_context=False)
-    llm.engine.runner.set_cost_model(flat_costs({1: 1.0, 4: 1.2, 8: 5.0, 16: 9.0}))
+    llm.engine.runner.set_cost_model(flat_costs({1: 1.0, 2: 1.1, 4: 1.2, 8: 5.0, 16: 9.0}))
     ctl = llm.engine.runner.controller
     for _ in range(20):  # evidence: the first draft is never accepted
         ctl.tracker.observe_many([3] * 4, [0] * 4)
     llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=80, ignore_eos=True))
     steps = llm.engine.spec_stats.block_len_steps
-    assert set(steps) == {1, 4} and 1 <= steps[4] <= 3 and steps[1] >= 70
+    assert set(steps) == {1, 2} and 1 <= steps[2] <= 3 and steps[1] >= 70
 
 
 def test_fixed_mode_unchanged_and_runtime_switches(qwen3_path, drafter, prompts, ar_ref):

@@ -45,7 +45,7 @@ def test_profile_written_loaded_and_remeasured(qwen3_path, drafter, tmp_path, mo
     info = first.engine.runner.cost_profile_info
     assert info["measured"] and info["path"] == str(path) and path.is_file()
     saved = json.loads(path.read_text())
-    assert saved["key"] == info["key"] and set(saved["times"]) == {"1", "4", "8", "16"}
+    assert saved["key"] == info["key"] and set(saved["times"]) == {"1", "2", "4", "8", "16"}
     assert saved["key"]["device"].startswith("cpu") and saved["key"]["graphs"] is False
     assert "measured in" in capfd.readouterr().err
 
@@ -53,7 +53,8 @@ def test_profile_written_loaded_and_remeasured(qwen3_path, drafter, tmp_path, mo
         raise AssertionError("the profile should have been loaded, not measured")
 
     # Same key: loaded. Forced costs written into the file are what the policy then uses.
-    saved["times"] = {"1": {"1": 0.001, "16": 0.002}, "4": {"1": 0.01, "16": 0.02},
+    saved["times"] = {"1": {"1": 0.001, "16": 0.002}, "2": {"1": 0.005, "16": 0.01},
+                      "4": {"1": 0.01, "16": 0.02},
                       "8": {"1": 0.02, "16": 0.04}, "16": {"1": 0.04, "16": 0.08}}
     path.write_text(json.dumps(saved))
     with monkeypatch.context() as m:
@@ -202,12 +203,12 @@ def test_policy_sweep_smoke(tmp_path):
                 runs["adaptive"]["output_tok_s"] / runs["plain"]["output_tok_s"])
             assert set(runs["fixed 8"]["block_len_steps"]) == {"8"}
             assert sum(runs["adaptive"]["block_len_steps"].values()) > 0
-            assert res["ratios"][a][c]["vs_best"] <= 1.0
+            assert res["ratios"][a][c]["vs_best"] > 0  # may top 1.0: block 2 is not a config
     assert res["spec"]["a=0.86"]["C=1"]["fixed 16"]["tau"] > \
         res["spec"]["a=0.6"]["C=1"]["fixed 16"]["tau"]  # the acceptance switch took effect
     assert {"policy_min_vs_plain", "policy_min_vs_best", "policy_c1_a086_vs_fixed16"} <= set(res)
     assert res["cost_profile"]["measured"] and set(res["cost_profile"]["times"]) == \
-        {"1", "4", "8", "16"}
+        {"1", "2", "4", "8", "16"}
     assert (tmp_path / "policy_sweep.png").stat().st_size > 0
     md = (tmp_path / "policy_sweep.md").read_text()
     assert "adaptive / best" in md and "decode phase: adaptive / plain" in md
