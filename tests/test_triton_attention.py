@@ -113,9 +113,10 @@ def test_other_block_sizes(block_size):
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("splits", [2, 4])
 def test_split_kv(splits, causal):
-    """Forced splits, including splits that get no keys (seq_len 5 split 4 ways)."""
+    """Forced splits, including splits that get no keys (seq_len 5 split 4 ways), and a block
+    of 2 (the policy's smallest verify / drafter block)."""
     backend = TritonAttentionBackend(block_n=16, num_splits=splits)
-    q_lens, seq_lens = [1, 16, 3, 1], [300, 150, 5, 64]
+    q_lens, seq_lens = [1, 16, 3, 1, 2], [300, 150, 5, 64, 97]
     check(backend, *make_case(q_lens, seq_lens, 8, 2, 64, causal=causal, seed=4))
 
 
