@@ -1,5 +1,5 @@
-"""Adaptive speculation deciding plain decode vs the engine without a drafter: paired runs at one
-cell (issue 7's all-plain cells), one H200.
+"""Adaptive speculation deciding plain decode vs the engine without a drafter (or vs a fixed block):
+paired runs at one cell (issue 7's all-plain cells), one H200.
 
 Where the policy decodes plainly (a=0.6 from C=128 in policy_sweep), the speculative engine runs
 the plain engine's device work (its detached plain step, lazy drafter context), so any gap
@@ -10,6 +10,9 @@ prefill, which dominates the runs' per-step averages, stays out. One more run of
 under cProfile lists the functions with the most own time in its all-decode steps.
 `--between L` runs an untimed fixed-L batch on the speculative engine before each adaptive run
 (policy_sweep switches configs between runs; whether that matters is what it tests).
+`--reference fixed:L` pairs adaptive with the same engine at fixed block L instead (the cells
+where adaptive trails the best fixed block: its pricing's host time, or its choices), each pair
+on the same synthetic draws.
 Writes plain_ab.json to --out-dir.
 
 Usage: python benchmarks/plain_ab.py --out-dir DIR [--concurrency 128] [--acceptance 0.6]
@@ -109,69 +112,93 @@ def main() -> int:
     ap.add_argument("--acceptance", type=float, default=0.6)
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--pairs", type=int, default=6)
+    ap.add_argument("--reference", default="plain", metavar="plain|fixed:L",
+                    help="what adaptive is paired with: plain (the engine without a drafter) "
+                         "or fixed:L (the same speculative engine at fixed block L; each pair "
+                         "shares its synthetic draws)")
     ap.add_argument("--between", type=int, default=0, metavar="L",
                     help="before each timed adaptive run, an untimed closed batch on the same "
                          "engine at fixed block L, then back to adaptive (as policy_sweep "
                          "switches its configs between runs); 0: none")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
+    ref_len = None
+    if args.reference != "plain":
+        kind, _, num = args.reference.partition(":")
+        if kind != "fixed" or not num.isdigit():
+            ap.error(f"--reference must be plain or fixed:L, got {args.reference!r}")
+        ref_len = int(num)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     c, out_len = args.concurrency, args.output_len
     if args.smoke:
         c, out_len = min(c, 8), min(out_len, 16)
     setup = Setup(args.smoke, Path(tempfile.mkdtemp()), None)
-    engines = {"plain": setup.llm(draft=False),
-               "adaptive": setup.llm(draft=True, acceptance=args.acceptance)}
-    engines["adaptive"].engine.runner.set_policy("adaptive")
-    clocks = {name: DecodeStepClock(llm) for name, llm in engines.items()}
+    spec = setup.llm(draft=True, acceptance=args.acceptance)
+    spec.engine.runner.set_policy("adaptive")
+    ref = "plain" if ref_len is None else f"fixed {ref_len}"
+    engines = {ref: setup.llm(draft=False) if ref_len is None else spec, "adaptive": spec}
+    clock_of = {id(llm): DecodeStepClock(llm) for llm in engines.values()}
+    clocks = {name: clock_of[id(llm)] for name, llm in engines.items()}
+
+    def use(name: str, draws: int) -> LLM:
+        """The config's engine, switched to it where the two share one engine; the synthetic
+        draws reseeded (common random numbers within a pair)."""
+        llm = engines[name]
+        if llm is spec:
+            if ref_len is not None:
+                spec.engine.runner.set_policy(*(("adaptive",) if name == "adaptive"
+                                                 else ("fixed", ref_len)))
+            spec.engine.runner.default_generator.manual_seed(draws)
+        return llm
+
     gc.collect()
     gc.freeze()  # NOTE: as policy_sweep does (a serving process after start-up)
     seeds = iter(range(20_000, 10**9, 7919))
-    res = {"benchmark": "plain_ab: adaptive deciding plain vs plain decoding, paired runs",
+    res = {"benchmark": f"plain_ab: adaptive vs {ref}, paired runs",
            "command": "python benchmarks/plain_ab.py " + " ".join(sys.argv[1:]),
            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
            "torch": torch.__version__, "commit": git_commit(),
            "date": datetime.date.today().isoformat(), "concurrency": c,
-           "acceptance": args.acceptance, "output_len": out_len, "between": args.between,
-           "between_runs": 0, "pairs": []}
-    for name, llm in engines.items():
-        timed_generate(llm, setup.prompts(c, next(seeds)), WARMUP_TOKENS)
+           "acceptance": args.acceptance, "output_len": out_len, "reference": ref,
+           "between": args.between, "between_runs": 0, "pairs": []}
+    for name in engines:
+        timed_generate(use(name, 1), setup.prompts(c, next(seeds)), WARMUP_TOKENS)
         clocks[name].take()
     for k in range(args.pairs):
         pair = {}
-        for name in (["plain", "adaptive"] if k % 2 == 0 else ["adaptive", "plain"]):
+        for name in ([ref, "adaptive"] if k % 2 == 0 else ["adaptive", ref]):
             if name == "adaptive" and args.between:
-                runner = engines[name].engine.runner
-                runner.set_policy("fixed", args.between)
-                timed_generate(engines[name], setup.prompts(c, next(seeds)), out_len)
-                runner.set_policy("adaptive")
+                spec.engine.runner.set_policy("fixed", args.between)
+                timed_generate(spec, setup.prompts(c, next(seeds)), out_len)
+                spec.engine.runner.set_policy("adaptive")
                 clocks[name].take()
                 res["between_runs"] += 1
-            r, _ = timed_generate(engines[name], setup.prompts(c, next(seeds)), out_len)
+            llm = use(name, 1_000_003 * c + 7 * k)
+            r, _ = timed_generate(llm, setup.prompts(c, next(seeds)), out_len)
             pair[name] = {"output_tok_s": r["output_tok_s"], "decode_phase_s": r["decode_phase_s"],
                           "steps": summary(clocks[name].take())}
-            if name == "adaptive":
-                lazy = engines[name].engine.runner.lazy
+            if llm is spec:
+                lazy = spec.engine.runner.lazy
                 pair[name]["detached"] = lazy.detached if lazy is not None else None
-        pair["decode_phase_ratio"] = pair["adaptive"]["decode_phase_s"] \
-            / pair["plain"]["decode_phase_s"]
-        pair["median_wall_diff_ms"] = pair["adaptive"]["steps"]["wall"] \
-            - pair["plain"]["steps"]["wall"]
+        ad, other = pair["adaptive"], pair[ref]
+        pair["decode_phase_ratio"] = ad["decode_phase_s"] / other["decode_phase_s"]
+        pair["median_wall_diff_ms"] = ad["steps"]["wall"] - other["steps"]["wall"]
         res["pairs"].append(pair)
-        print(f"pair {k}: decode phase adaptive / plain {pair['decode_phase_ratio']:.3f}, "
-              f"median all-decode step {pair['plain']['steps']['wall']:.3f} -> "
+        print(f"pair {k}: decode phase adaptive / {ref} {pair['decode_phase_ratio']:.3f}, "
+              f"median all-decode step {pair[ref]['steps']['wall']:.3f} -> "
               f"{pair['adaptive']['steps']['wall']:.3f} ms", flush=True)
     diffs = [p["median_wall_diff_ms"] for p in res["pairs"]]
     res["median_wall_diff_ms"] = statistics.median(diffs)
-    res["parts_diff_ms"] = {k: statistics.median(p["adaptive"]["steps"][k]
-                                                 - p["plain"]["steps"][k] for p in res["pairs"])
+    res["parts_diff_ms"] = {k: statistics.median(p["adaptive"]["steps"][k] - p[ref]["steps"][k]
+                                                 for p in res["pairs"])
                             for k in (*PARTS, "wall")}
     # Engine steps by block length over the whole run (the --between batches' included).
     res["adaptive_engine_block_len_steps"] = {
-        str(L): n for L, n in sorted(engines["adaptive"].engine.spec_stats.block_len_steps.items())}
+        str(L): n for L, n in sorted(spec.engine.spec_stats.block_len_steps.items())}
     res["profiles"] = {}
-    for name, llm in engines.items():
+    for name in engines:
+        llm = use(name, 2)
         clocks[name].profile = cProfile.Profile()
         timed_generate(llm, setup.prompts(c, next(seeds)), out_len)
         res["profiles"][name] = top_functions(clocks[name].profile)

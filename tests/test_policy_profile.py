@@ -259,6 +259,18 @@ def test_plain_ab_smoke(tmp_path):
     for lines in res["profiles"].values():
         assert any("_execute_decode" in line for line in lines)
         assert not any("_execute_mixed" in line for line in lines)  # decode steps only
+    # Against a fixed block on the same engine: both configs' steps counted apart.
+    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "plain_ab.py"), "--smoke",
+                           "--pairs", "2", "--reference", "fixed:4", "--out-dir",
+                           str(tmp_path / "fixed")], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    res = json.loads((tmp_path / "fixed" / "plain_ab.json").read_text())
+    assert res["reference"] == "fixed 4" and set(res["profiles"]) == {"fixed 4", "adaptive"}
+    for pair in res["pairs"]:
+        assert 0 < pair["fixed 4"]["steps"]["steps"] <= 15
+        assert 0 < pair["adaptive"]["steps"]["steps"] <= 15
+    assert res["adaptive_engine_block_len_steps"].get("4", 0) > 0
 
 
 def test_host_overhead_benchmark(tmp_path):
