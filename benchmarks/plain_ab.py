@@ -86,7 +86,9 @@ class DecodeStepClock:
         self.engine.step = timed_step
 
     def take(self) -> list[dict[str, float]]:
+        """The rows since the last call; called between runs (the next run starts prefilling)."""
         rows, self.rows = self.rows, []
+        self._prev_all_decode = False
         return rows
 
 
