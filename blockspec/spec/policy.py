@@ -132,15 +132,11 @@ class SpeculationPolicy:
         """The best speculative rate over plain decode's."""
         return max(rates[L] for L in self.block_lens) / rates[1]
 
-    def _priced(self, batch_size: int, tracker: AcceptanceTracker, drain: DrainArg
+    def _priced(self, batch_size: int, cands: tuple, drain: DrainArg
                 ) -> tuple[dict[int, float], Drain | None]:
         """The rates, with the drain priced where it could matter. NOTE: a drain only lowers
         speculative rates, so where plain decode wins without it, it is not built (that walks
         every request: host time in each plain step of a large batch)."""
-        return self._priced_from(batch_size, self._candidates(batch_size, tracker), drain)
-
-    def _priced_from(self, batch_size: int, cands: tuple, drain: DrainArg
-                     ) -> tuple[dict[int, float], Drain | None]:
         rates = self._rates(batch_size, cands)
         if drain is None or self.gain(rates) <= min(1.0, self.min_gain):
             return rates, None
@@ -170,7 +166,7 @@ class SpeculationPolicy:
             return self._plain(batch_size)
         self._memo_left = 0
         cands = self._candidates(batch_size, tracker)
-        rates, drain = self._priced_from(batch_size, cands, drain)
+        rates, drain = self._priced(batch_size, cands, drain)
         choice = self._best(rates)
         if choice != 1 and self.switch_cost is not None:
             switch_s, horizon = self.switch_cost(batch_size, self.cost_model)
@@ -185,8 +181,7 @@ class SpeculationPolicy:
             choice = 1  # NOTE: measures plain decode's term (see StepOverhead); not memoised
         if choice == 1:
             return self._plain(batch_size)
-        self._plain_streak, self._plain_time = 0, 0.0
-        self._probe_switch = (None, 0.0)
+        self._end_plain_streak()
         return choice
 
     def _plain(self, batch_size: int) -> int:
@@ -195,10 +190,15 @@ class SpeculationPolicy:
         self._plain_time += self.step_cost(batch_size, 1)
         if self.probe_every and self._plain_streak > self.probe_every \
                 and self._probe_affordable(batch_size):
-            self._plain_streak, self._plain_time, self._memo_left = 0, 0.0, 0
-            self._probe_switch = (None, 0.0)
+            self._end_plain_streak()
             return self.block_lens[0]
         return 1
+
+    def _end_plain_streak(self) -> None:
+        """A speculative choice (or a probe): the streak, its held choice and its probe's
+        catch-up price start over."""
+        self._plain_streak, self._plain_time, self._memo_left = 0, 0.0, 0
+        self._probe_switch = (None, 0.0)
 
     def _probe_affordable(self, batch_size: int) -> bool:
         """With `probe_overhead` > 0, a probe also waits until its worst-case extra time (a probe
@@ -230,12 +230,12 @@ class SpeculationPolicy:
         priced only where plain decode does not already win)."""
         if self.mode == "fixed":
             return {"mode": "fixed", "choice": self.fixed_len, "batch_size": batch_size}
-        rates, drain = self._priced(batch_size, tracker, drain)
+        moments, costs = cands = self._candidates(batch_size, tracker)
+        rates, drain = self._priced(batch_size, cands, drain)
         return {"mode": self.mode, "batch_size": batch_size, "choice": self._best(rates),
                 "gain": self.gain(rates), "rates": rates,
                 "drain": None if drain is None else {"requests": len(drain.left),
                                                      "most_left": drain.left[-1]},
-                "overhead_s": {L: self.step_cost(batch_size, L)
-                               - self.cost_model.cost(batch_size, L) for L in rates},
-                "tau": {L: tracker.expected_committed(L) for L in [1, *self.block_lens]},
+                "overhead_s": {L: costs[L] - self.cost_model.cost(batch_size, L) for L in rates},
+                "tau": {1: 1.0, **{L: mean for L, (mean, _) in moments.items()}},
                 "acceptance": tracker.conditional_rates(max(self.block_lens) - 1)}
