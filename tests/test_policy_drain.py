@@ -266,6 +266,21 @@ def test_engine_drains_only_in_a_closed_batch(qwen3_path, drafter16, monkeypatch
     run_requests(eng, [[5 + i, 6, 7] for i in range(6)], params, concurrency=2, tag="t",
                  show=False)
     assert None in seen and seen[-1] is not None and not eng.closed_batch
+    # ... and a step that raises in the last wave leaves the engine open again too.
+    step = eng.step
+
+    def failing_step():
+        if eng.closed_batch:
+            raise RuntimeError("boom")
+        return step()
+
+    monkeypatch.setattr(eng, "step", failing_step)
+    with pytest.raises(RuntimeError, match="boom"):
+        run_requests(eng, [[5, 6, 7]], params, concurrency=2, tag="u", show=False)
+    assert not eng.closed_batch
+    monkeypatch.setattr(eng, "step", step)
+    for rid in list(eng.requests):
+        eng.abort(rid)
     # More requests than fit in the batch: the ones waiting take finished slots, no drain.
     seen.clear()
     llm.generate([[5 + i, 6] for i in range(6)], params)

@@ -70,33 +70,37 @@ def run_requests(engine: LLMEngine, prompts: list[list[int]], params: SamplingPa
                disable=not show)
     start = time.monotonic()
     top_up()
-    while in_flight:
-        # NOTE: the last wave drains: the speculation policy prices its stragglers
-        engine.closed_batch = not pending
-        if not engine.has_unfinished():
-            raise RuntimeError("engine idle with requests in flight")  # an engine bug, not input
-        outs = engine.step()
-        now = time.monotonic()
-        for out in outs:
-            t0, last, itl = in_flight[out.request_id]
-            if out.delta_token_ids:
-                if last is not None:
-                    itl.append(now - last)
-                in_flight[out.request_id] = (t0, now, itl)
-            if not out.finished:
-                continue
-            del in_flight[out.request_id]
-            m = out.metrics
-            # NOTE: engine timestamps (time.monotonic) for TTFT/latency: arrival is add_request.
-            records.append(RequestRecord(
-                ok=out.finish_reason != "abort", prompt_tokens=len(out.prompt_token_ids),
-                output_tokens=len(out.token_ids), ttft=m.ttft,
-                latency=(m.finished_time - m.arrival_time) if m.finished_time else None,
-                itl=itl, error=None if out.finish_reason != "abort" else "aborted"))
-            spec.merge(m.spec)
-            bar.update(1)
-        top_up()
-    engine.closed_batch = False
+    try:
+        while in_flight:
+            # NOTE: the last wave drains: the speculation policy prices its stragglers
+            engine.closed_batch = not pending
+            if not engine.has_unfinished():
+                # NOTE: an engine bug, not bad input
+                raise RuntimeError("engine idle with requests in flight")
+            outs = engine.step()
+            now = time.monotonic()
+            for out in outs:
+                t0, last, itl = in_flight[out.request_id]
+                if out.delta_token_ids:
+                    if last is not None:
+                        itl.append(now - last)
+                    in_flight[out.request_id] = (t0, now, itl)
+                if not out.finished:
+                    continue
+                del in_flight[out.request_id]
+                m = out.metrics
+                # NOTE: engine timestamps (time.monotonic) for TTFT/latency: arrival is
+                # add_request.
+                records.append(RequestRecord(
+                    ok=out.finish_reason != "abort", prompt_tokens=len(out.prompt_token_ids),
+                    output_tokens=len(out.token_ids), ttft=m.ttft,
+                    latency=(m.finished_time - m.arrival_time) if m.finished_time else None,
+                    itl=itl, error=None if out.finish_reason != "abort" else "aborted"))
+                spec.merge(m.spec)
+                bar.update(1)
+            top_up()
+    finally:
+        engine.closed_batch = False  # NOTE: also when a step raises
     bar.close()
     return records, time.monotonic() - start, spec
 

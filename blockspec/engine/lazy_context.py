@@ -180,8 +180,7 @@ class LazyDraftContext:
         if per_token is None:
             per_token = cost_model.min_token_cost()
         chunks = -(-pending // self.max_tokens)
-        left = [s.max_tokens - len(s.output_token_ids)
-                for s, d in zip(self.step_seqs, self.step_decoding) if d]
+        left = [s.num_tokens_left for s, d in zip(self.step_seqs, self.step_decoding) if d]
         return (chunks * cost_model.cost(1, 1) + per_token * pending,
                 max(1.0, sum(left) / max(1, len(left))))
 

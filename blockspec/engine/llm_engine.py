@@ -246,7 +246,7 @@ class LLMEngine:
         """The draining batch, built when the policy asks (see the step's `ctl.drain`): set while
         `closed_batch` and every unfinished request fits in the running batch (no later one
         takes a finished one's slot)."""
-        left = [s.max_tokens - len(s.output_token_ids)
+        left = [s.num_tokens_left
                 for s in itertools.chain(self.scheduler.running, self.scheduler.waiting)]
         return Drain.of(left) if left else None
 

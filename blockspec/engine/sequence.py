@@ -82,6 +82,11 @@ class Sequence:
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
 
+    @property
+    def num_tokens_left(self) -> int:
+        """Tokens it may still generate (`max_tokens`; an end-of-sequence token may come sooner)."""
+        return self.max_tokens - len(self.output_token_ids)
+
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
