@@ -11,9 +11,13 @@ side (36 GiB of KV cache each):
      timings only): fixed 4, fixed 8, fixed 16 and adaptive, switched at run time
      (`runner.set_policy`, `runner.set_synthetic_acceptance`).
 For each a in --acceptance and each C, after an 8-token warm-up of each engine at that C, the
-five configs run round-robin (--repeats rounds, --c1-repeats at C=1, --high-c-repeats from
-C=128; the order rotated each round), so plain and adaptive are timed minutes apart at most; a
-fixed block under 0.8x the first round's best runs that round only (it cannot be the best).
+five configs run in rounds (--repeats rounds, --c1-repeats at C=1, --high-c-repeats from
+C=128): each round the fixed blocks (their order rotated), then plain and adaptive back to back,
+which of the two goes first alternating by round (a run straight after a compute-bound one was
+measured ~1% slower: an even number of rounds gives both the same share of that); a fixed block
+under 0.9x the first round's best runs that round only (it cannot be the best: identical runs
+lie at most ~7% apart). Each run records the GPU's temperature, SM clock and power draw just
+before it (nvidia-smi; `gpu_before`).
 Per C: adaptive / plain (the plain runs of the same a) and adaptive / best of {plain, fixed 4,
 8, 16}; their minima over the sweep (`policy_min_vs_plain`, `policy_min_vs_best`) and
 adaptive / fixed 16 at C=1, a=0.86. Each run also records its decode phase (after every
@@ -31,6 +35,7 @@ import argparse
 import datetime
 import gc
 import json
+import subprocess
 import sys
 import tempfile
 import time
@@ -59,7 +64,7 @@ from blockspec.engine.cost_profile import (  # noqa: E402
 
 WARMUP_TOKENS = 8
 HIGH_C = 128  # from here on --high-c-repeats rounds: where adaptive / plain sits nearest 1.0
-DOMINATED = 0.8
+DOMINATED = 0.9
 
 
 class Setup:
@@ -125,6 +130,29 @@ class GCPauses:
 GC_PAUSES = GCPauses()
 
 
+def gpu_state() -> dict[str, float] | None:
+    """The GPU's temperature (C), SM clock (MHz) and power draw (W) now, from nvidia-smi
+    (None without it): the state a run starts in (a hot chip clocks lower under its power cap)."""
+    try:
+        line = subprocess.run(
+            ["nvidia-smi", "--query-gpu=temperature.gpu,clocks.sm,power.draw",
+             "--format=csv,noheader,nounits", "--id=0"],
+            capture_output=True, text=True, timeout=10, check=True).stdout.strip()
+        temp, clock, power = (float(x) for x in line.split(","))
+    except (OSError, ValueError, subprocess.SubprocessError):
+        return None
+    return {"temp_c": temp, "sm_mhz": clock, "power_w": power}
+
+
+def round_order(k: int, fixed: list[str]) -> list[str]:
+    """Round k's run order: the fixed blocks, rotated by k, then plain and adaptive back to
+    back, plain first in even rounds. NOTE: the pair compared against 1.0x sits together, each
+    of the two first (straight after a fixed block's compute-bound run) equally often over an
+    even number of rounds."""
+    j = k % len(fixed)
+    return fixed[j:] + fixed[:j] + (["plain", "adaptive"] if k % 2 == 0 else ["adaptive", "plain"])
+
+
 def run_generate(setup: Setup, llm: LLM, c: int, out_len: int, seed: int,
                  draws_seed: int | None = None) -> dict:
     """`draws_seed`: reseed the synthetic-acceptance draws first. NOTE: common random numbers:
@@ -138,7 +166,10 @@ def run_generate(setup: Setup, llm: LLM, c: int, out_len: int, seed: int,
     lazy = engine.runner.lazy
     lazy0 = lazy_counts(lazy)
     gc0 = GC_PAUSES.seconds
+    gpu = None if setup.smoke else gpu_state()
     r, outs = timed_generate(llm, setup.prompts(c, seed), out_len)
+    if gpu is not None:
+        r["gpu_before"] = gpu
     r["gc_ms"] = 1e3 * (GC_PAUSES.seconds - gc0)
     ctl = engine.runner.controller
     if ctl is not None and ctl.overhead is not None and ctl.mode == "adaptive":
@@ -250,13 +281,14 @@ def main() -> int:
     plain_runs: dict[str, list] = {}
     names = ["plain"] + [name for name, _, _ in CONFIGS]
     modes = {name: (mode, fixed_len) for name, mode, fixed_len in CONFIGS}
+    fixed_names = [name for name in modes if name != "adaptive"]
     for a in accs:
         runner.set_synthetic_acceptance(a)
         cells = res["spec"].setdefault(f"a={a}", {})
         for c in cs:
-            # NOTE: both engines stay loaded and the configs of a cell run round-robin, in an
-            # order rotated every round, so slow drift of the GPU or the host (clocks, other
-            # load) falls on every config alike instead of on whichever ran last.
+            # NOTE: both engines stay loaded and the configs of a cell run in rounds (see
+            # round_order), so slow drift of the GPU or the host (clocks, other load) falls on
+            # every config alike instead of on whichever ran last.
             run_generate(setup, plain, c, WARMUP_TOKENS, next(seed))
             runner.set_policy("adaptive")
             run_generate(setup, sp, c, WARMUP_TOKENS, next(seed))
@@ -264,7 +296,7 @@ def main() -> int:
             runs: dict[str, list] = {name: [] for name in names}
             dominated: set[str] = set()
             for k in range(n):
-                for name in names[k % len(names):] + names[:k % len(names)]:
+                for name in round_order(k, fixed_names):
                     if name in dominated:
                         continue
                     if name == "plain":
