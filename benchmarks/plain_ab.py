@@ -6,7 +6,8 @@ the plain engine's device work (its detached plain step, lazy drafter context), 
 between the two is host time. This measures it: --pairs rounds of one closed batch on each
 engine (the order alternating), the same shapes and setup as policy_sweep, and for every
 all-decode step its wall time by part (schedule, runner host, device wait, postprocess), so the
-prefill, which dominates the runs' per-step averages, stays out. One more run of each engine
+prefill, which dominates the runs' per-step averages, stays out (the other steps, prefill chunks
+with or without decodes, are reported apart, in all per run). One more run of each engine
 under cProfile lists the functions with the most own time in its all-decode steps.
 `--between L` runs an untimed fixed-L batch on the speculative engine before each adaptive run
 (policy_sweep switches configs between runs; whether that matters is what it tests).
@@ -76,10 +77,10 @@ class DecodeStepClock:
             if profiled:
                 self.profile.disable()
             self._prev_all_decode = self._all_decode
-            if self._all_decode:
-                row = {k: 1e3 * (getattr(t, k) - b) for k, b in zip(PARTS, before)}
-                row["wall"] = 1e3 * wall
-                self.rows.append(row)
+            row = {k: 1e3 * (getattr(t, k) - b) for k, b in zip(PARTS, before)}
+            row["wall"] = 1e3 * wall
+            row["all_decode"] = self._all_decode
+            self.rows.append(row)
             return out
 
         runner.execute = timed_execute
@@ -95,8 +96,17 @@ class DecodeStepClock:
 def summary(rows: list[dict[str, float]]) -> dict[str, float]:
     """Median ms per all-decode step by part (the medians leave out a run's odd stalls) and the
     mean wall."""
+    rows = [r for r in rows if r["all_decode"]]
     out = {k: statistics.median(r[k] for r in rows) for k in (*PARTS, "wall")}
     out["mean_wall"] = statistics.fmean(r["wall"] for r in rows)
+    out["steps"] = len(rows)
+    return out
+
+
+def prefill_summary(rows: list[dict[str, float]]) -> dict[str, float]:
+    """The run's other steps (prefill chunks, alone or with decodes): total ms by part."""
+    rows = [r for r in rows if not r["all_decode"]]
+    out = {k: sum(r[k] for r in rows) for k in (*PARTS, "wall")}
     out["steps"] = len(rows)
     return out
 
@@ -178,23 +188,32 @@ def main() -> int:
                 res["between_runs"] += 1
             llm = use(name, 1_000_003 * c + 7 * k)
             r, _ = timed_generate(llm, setup.prompts(c, next(seeds)), out_len)
-            pair[name] = {"output_tok_s": r["output_tok_s"], "decode_phase_s": r["decode_phase_s"],
-                          "steps": summary(clocks[name].take())}
+            rows = clocks[name].take()
+            pair[name] = {"output_tok_s": r["output_tok_s"], "elapsed_s": r["elapsed_s"],
+                          "decode_phase_s": r["decode_phase_s"], "steps": summary(rows),
+                          "prefill_steps": prefill_summary(rows)}
             if llm is spec:
                 lazy = spec.engine.runner.lazy
                 pair[name]["detached"] = lazy.detached if lazy is not None else None
         ad, other = pair["adaptive"], pair[ref]
         pair["decode_phase_ratio"] = ad["decode_phase_s"] / other["decode_phase_s"]
         pair["median_wall_diff_ms"] = ad["steps"]["wall"] - other["steps"]["wall"]
+        pair["prefill_wall_diff_ms"] = ad["prefill_steps"]["wall"] - other["prefill_steps"]["wall"]
         res["pairs"].append(pair)
         print(f"pair {k}: decode phase adaptive / {ref} {pair['decode_phase_ratio']:.3f}, "
               f"median all-decode step {pair[ref]['steps']['wall']:.3f} -> "
-              f"{pair['adaptive']['steps']['wall']:.3f} ms", flush=True)
+              f"{pair['adaptive']['steps']['wall']:.3f} ms, other steps (prefill) "
+              f"{pair[ref]['prefill_steps']['wall']:.1f} -> "
+              f"{pair['adaptive']['prefill_steps']['wall']:.1f} ms in all", flush=True)
     diffs = [p["median_wall_diff_ms"] for p in res["pairs"]]
     res["median_wall_diff_ms"] = statistics.median(diffs)
     res["parts_diff_ms"] = {k: statistics.median(p["adaptive"]["steps"][k] - p[ref]["steps"][k]
                                                  for p in res["pairs"])
                             for k in (*PARTS, "wall")}
+    # The prefill steps (in all, per run): the other place a run's time can differ.
+    res["prefill_parts_diff_ms"] = {
+        k: statistics.median(p["adaptive"]["prefill_steps"][k] - p[ref]["prefill_steps"][k]
+                             for p in res["pairs"]) for k in (*PARTS, "wall")}
     # Engine steps by block length over the whole run (the --between batches' included).
     res["adaptive_engine_block_len_steps"] = {
         str(L): n for L, n in sorted(spec.engine.spec_stats.block_len_steps.items())}
@@ -208,7 +227,8 @@ def main() -> int:
         clocks[name].take()
     gc.unfreeze()
     (out / "plain_ab.json").write_text(json.dumps(res, indent=1) + "\n")
-    print(json.dumps({k: res[k] for k in ("median_wall_diff_ms", "parts_diff_ms")}, indent=1))
+    print(json.dumps({k: res[k] for k in ("median_wall_diff_ms", "parts_diff_ms",
+                                          "prefill_parts_diff_ms")}, indent=1))
     for name, lines in res["profiles"].items():
         print(f"== {name}: own time in all-decode steps (cProfile)")
         print("\n".join(lines[:20]))

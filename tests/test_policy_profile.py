@@ -254,9 +254,14 @@ def test_plain_ab_smoke(tmp_path):
             steps = pair[name]["steps"]
             assert 0 < steps["steps"] <= 15
             assert steps["wall"] >= steps["runner_host"] > 0
+            # The other steps (the prefill), in all: at least the closed batch's one prefill.
+            pre = pair[name]["prefill_steps"]
+            assert pre["steps"] >= 1 and pre["wall"] >= pre["runner_host"] > 0
+            assert pre["wall"] < 1e3 * pair[name]["elapsed_s"]
         assert pair["decode_phase_ratio"] > 0
     assert set(res["parts_diff_ms"]) == {"schedule", "runner_host", "device_wait",
                                          "postprocess", "wall"}
+    assert set(res["prefill_parts_diff_ms"]) == set(res["parts_diff_ms"])
     for lines in res["profiles"].values():
         assert any("_execute_decode" in line for line in lines)
         assert not any("_execute_mixed" in line for line in lines)  # decode steps only
