@@ -111,6 +111,16 @@ def prefill_summary(rows: list[dict[str, float]]) -> dict[str, float]:
     return out
 
 
+def allocator_counts() -> dict[str, int]:
+    """The CUDA caching allocator's cudaMalloc/cudaFree calls and out-of-memory retries so far
+    (a retry frees the cache and synchronizes: an eager step that triggers them stalls)."""
+    if not torch.cuda.is_available():
+        return {}
+    st = torch.cuda.memory_stats()
+    return {k: int(st.get(k, 0)) for k in ("num_device_alloc", "num_device_free",
+                                           "num_alloc_retries")}
+
+
 def top_functions(prof: cProfile.Profile, n: int = 25) -> list[str]:
     s = io.StringIO()
     pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(n)
@@ -187,11 +197,13 @@ def main() -> int:
                 clocks[name].take()
                 res["between_runs"] += 1
             llm = use(name, 1_000_003 * c + 7 * k)
+            mem0 = allocator_counts()
             r, _ = timed_generate(llm, setup.prompts(c, next(seeds)), out_len)
             rows = clocks[name].take()
             pair[name] = {"output_tok_s": r["output_tok_s"], "elapsed_s": r["elapsed_s"],
                           "decode_phase_s": r["decode_phase_s"], "steps": summary(rows),
-                          "prefill_steps": prefill_summary(rows)}
+                          "prefill_steps": prefill_summary(rows),
+                          "allocator": {k: v - mem0[k] for k, v in allocator_counts().items()}}
             if llm is spec:
                 lazy = spec.engine.runner.lazy
                 pair[name]["detached"] = lazy.detached if lazy is not None else None
