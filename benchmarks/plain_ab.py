@@ -198,12 +198,16 @@ def main() -> int:
                 res["between_runs"] += 1
             llm = use(name, 1_000_003 * c + 7 * k)
             mem0 = allocator_counts()
+            lazy0 = spec.engine.runner.lazy.num_detached_steps if spec.engine.runner.lazy else 0
             r, _ = timed_generate(llm, setup.prompts(c, next(seeds)), out_len)
             rows = clocks[name].take()
             pair[name] = {"output_tok_s": r["output_tok_s"], "elapsed_s": r["elapsed_s"],
                           "decode_phase_s": r["decode_phase_s"], "steps": summary(rows),
                           "prefill_steps": prefill_summary(rows),
                           "allocator": {k: v - mem0[k] for k, v in allocator_counts().items()}}
+            if llm is spec and spec.engine.runner.lazy is not None:
+                # Detached steps of the run (all of them: the prefills wrote no drafter context).
+                pair[name]["detached_steps"] = spec.engine.runner.lazy.num_detached_steps - lazy0
             if llm is spec:
                 lazy = spec.engine.runner.lazy
                 pair[name]["detached"] = lazy.detached if lazy is not None else None

@@ -369,3 +369,32 @@ def test_load_rule_reattaches_for_new_prefills(qwen3_path, drafter16, prompts, a
     assert whole_at_first_decode == {i: True for i in later}
     assert set(eng.spec_stats.block_len_steps) > {1}
     assert_no_leaks(llm)
+
+
+def test_load_rule_follows_the_policys_choice(qwen3_path, drafter16):
+    """The load rule detaches wherever the policy's choice at the load is plain decode, also
+    where the best block's modelled gain is above 1.0 but under the policy's min_gain (kept
+    attached, the prefills would write drafter context for a speculation the policy does not
+    take), and re-attaches once the choice at the load is a block."""
+    llm = spec_llm(qwen3_path, drafter16, speculation_policy="adaptive")
+    lz = llm.engine.runner.lazy
+
+    class View:  # the policy's view at the load (SpecController.explain)
+        mode = "adaptive"
+
+        def __init__(self, choice: int, gain: float) -> None:
+            self.view = {"mode": "adaptive", "choice": choice, "gain": gain}
+
+        def explain(self, batch_size: int) -> dict:
+            return self.view
+
+    assert not lz.detached
+    assert lz.policy_batch(0, 6, View(4, 1.05)) == 0
+    assert not lz.detached and lz.load_wants_drafter
+    assert lz.policy_batch(0, 6, View(1, 1.02)) == 6  # detached: priced at the load
+    assert lz.detached and not lz.load_wants_drafter
+    assert lz.policy_batch(2, 6, View(4, 1.05)) == 2
+    assert not lz.detached and lz.num_reattaches == 1
+    # No load beyond the decoding batch: the rule leaves the state alone.
+    assert lz.policy_batch(6, 6, View(1, 0.5)) == 6 and not lz.detached
+    assert_no_leaks(llm)

@@ -97,12 +97,12 @@ class LazyDraftContext:
         load = min(max(num_decoding, num_requests), self.max_num_seqs)
         self.load_wants_drafter = False
         if load > num_decoding:
-            # NOTE: detach only where plain decode wins outright (not merely under the policy's
-            # min_gain): a wrong detach loses the whole gain for the run, since catching up
-            # later is priced dear; a wrong attach, the drafter context writes.
-            view = controller.explain(load)
-            plain_at_load = (view["choice"] == 1 if view["mode"] == "fixed"
-                             else view["gain"] <= 1.0)
+            # NOTE: detach wherever the policy's choice at the load is plain decode, including a
+            # best block whose modelled gain is above 1.0 but under the policy's min_gain: kept
+            # attached there, the prefills and every plain step pay the drafter's context
+            # writes for a speculation the policy does not take (block 2 put a=0.6, C=128 on
+            # an H200 near 1.0x). A wrong detach forgoes at most that sub-min_gain gain.
+            plain_at_load = controller.explain(load)["choice"] == 1
             if plain_at_load and not self.detached:
                 self._detach()
             elif not plain_at_load and controller.mode == "adaptive":
