@@ -205,12 +205,13 @@ def main() -> int:
                           "decode_phase_s": r["decode_phase_s"], "steps": summary(rows),
                           "prefill_steps": prefill_summary(rows),
                           "allocator": {k: v - mem0[k] for k, v in allocator_counts().items()}}
-            if llm is spec and spec.engine.runner.lazy is not None:
-                # Detached steps of the run (all of them: the prefills wrote no drafter context).
-                pair[name]["detached_steps"] = spec.engine.runner.lazy.num_detached_steps - lazy0
             if llm is spec:
                 lazy = spec.engine.runner.lazy
                 pair[name]["detached"] = lazy.detached if lazy is not None else None
+                if lazy is not None:
+                    # As many as the run's steps: detached from its first prefill on (no drafter
+                    # context written); fewer: attached for a while (prefills wrote it).
+                    pair[name]["detached_steps"] = lazy.num_detached_steps - lazy0
         ad, other = pair["adaptive"], pair[ref]
         pair["decode_phase_ratio"] = ad["decode_phase_s"] / other["decode_phase_s"]
         pair["median_wall_diff_ms"] = ad["steps"]["wall"] - other["steps"]["wall"]

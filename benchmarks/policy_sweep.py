@@ -13,11 +13,12 @@ side (36 GiB of KV cache each):
 For each a in --acceptance and each C, after an 8-token warm-up of each engine at that C, the
 five configs run in rounds (--repeats rounds, --c1-repeats at C=1, --high-c-repeats from
 C=128): each round the fixed blocks (their order rotated), then plain and adaptive back to back,
-which of the two goes first alternating by round (a run straight after a compute-bound one was
-measured ~1% slower: an even number of rounds gives both the same share of that); a fixed block
-under 0.9x the first round's best runs that round only (it cannot be the best: identical runs
-lie at most ~7% apart). Each run records the GPU's temperature, SM clock and power draw just
-before it (nvidia-smi; `gpu_before`).
+which of the two goes first alternating by round (plain_ab measured adaptive runs ~1% slower
+straight after a fixed block's run than without: an even number of rounds gives plain and
+adaptive the same share of whatever a predecessor costs); a fixed block under 0.9x the first
+round's best runs that round only (it cannot be the best: identical runs lie at most ~7% apart).
+Each run records the GPU's temperature, SM clock and power draw just before it (nvidia-smi;
+`gpu_before`).
 Per C: adaptive / plain (the plain runs of the same a) and adaptive / best of {plain, fixed 4,
 8, 16}; their minima over the sweep (`policy_min_vs_plain`, `policy_min_vs_best`) and
 adaptive / fixed 16 at C=1, a=0.86. Each run also records its decode phase (after every
