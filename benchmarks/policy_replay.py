@@ -11,7 +11,7 @@ on it. What it models, from a policy_sweep JSON (`--from`):
     work for every config, is left out), synthetic acceptance a per draft position, like the
     benchmark mode.
 Plain decoding, fixed blocks 4/8/16 and the engine's own SpecController (cost model, live overhead
-learned from the simulated wall times, acceptance tracker, drain) run round-robin per cell as in
+learned from the simulated wall times, acceptance tracker, drain) run in rounds per cell as in
 the sweep, one controller per acceptance kept across cells. Not modelled: the prefill and the
 drafter context writes, the lazy context (no detach, no catch-up), the host's jitter beyond the
 noise factor. Reports decode-phase tok/s (simulated) and, for comparison, the run's measured
