@@ -39,7 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from fast_path import git_commit, timed_generate  # noqa: E402
-from policy_sweep import WARMUP_TOKENS, Setup  # noqa: E402
+from policy_sweep import WARMUP_TOKENS, Setup, lazy_counts  # noqa: E402
 
 from blockspec import LLM  # noqa: E402
 
@@ -197,21 +197,21 @@ def main() -> int:
                 clocks[name].take()
                 res["between_runs"] += 1
             llm = use(name, 1_000_003 * c + 7 * k)
-            mem0 = allocator_counts()
-            lazy0 = spec.engine.runner.lazy.num_detached_steps if spec.engine.runner.lazy else 0
+            lazy = spec.engine.runner.lazy
+            mem0, lazy0 = allocator_counts(), lazy_counts(lazy)
             r, _ = timed_generate(llm, setup.prompts(c, next(seeds)), out_len)
             rows = clocks[name].take()
             pair[name] = {"output_tok_s": r["output_tok_s"], "elapsed_s": r["elapsed_s"],
                           "decode_phase_s": r["decode_phase_s"], "steps": summary(rows),
                           "prefill_steps": prefill_summary(rows),
-                          "allocator": {k: v - mem0[k] for k, v in allocator_counts().items()}}
+                          "allocator": {key: v - mem0[key]
+                                        for key, v in allocator_counts().items()}}
             if llm is spec:
-                lazy = spec.engine.runner.lazy
                 pair[name]["detached"] = lazy.detached if lazy is not None else None
-                if lazy is not None:
-                    # As many as the run's steps: detached from its first prefill on (no drafter
-                    # context written); fewer: attached for a while (prefills wrote it).
-                    pair[name]["detached_steps"] = lazy.num_detached_steps - lazy0
+                # NOTE: detached_steps as many as the run's steps: detached from its first
+                # prefill on (no drafter context written); fewer: attached for a while.
+                pair[name]["lazy"] = {key: v - lazy0[key]
+                                      for key, v in lazy_counts(lazy).items()}
         ad, other = pair["adaptive"], pair[ref]
         pair["decode_phase_ratio"] = ad["decode_phase_s"] / other["decode_phase_s"]
         pair["median_wall_diff_ms"] = ad["steps"]["wall"] - other["steps"]["wall"]
@@ -224,13 +224,14 @@ def main() -> int:
               f"{pair['adaptive']['prefill_steps']['wall']:.1f} ms in all", flush=True)
     diffs = [p["median_wall_diff_ms"] for p in res["pairs"]]
     res["median_wall_diff_ms"] = statistics.median(diffs)
-    res["parts_diff_ms"] = {k: statistics.median(p["adaptive"]["steps"][k] - p[ref]["steps"][k]
-                                                 for p in res["pairs"])
-                            for k in (*PARTS, "wall")}
+
+    def median_diff(steps: str) -> dict[str, float]:
+        return {k: statistics.median(p["adaptive"][steps][k] - p[ref][steps][k]
+                                     for p in res["pairs"]) for k in (*PARTS, "wall")}
+
+    res["parts_diff_ms"] = median_diff("steps")
     # The prefill steps (in all, per run): the other place a run's time can differ.
-    res["prefill_parts_diff_ms"] = {
-        k: statistics.median(p["adaptive"]["prefill_steps"][k] - p[ref]["prefill_steps"][k]
-                             for p in res["pairs"]) for k in (*PARTS, "wall")}
+    res["prefill_parts_diff_ms"] = median_diff("prefill_steps")
     # Engine steps by block length over the whole run (the --between batches' included).
     res["adaptive_engine_block_len_steps"] = {
         str(L): n for L, n in sorted(spec.engine.spec_stats.block_len_steps.items())}

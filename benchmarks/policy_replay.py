@@ -11,8 +11,9 @@ on it. What it models, from a policy_sweep JSON (`--from`):
     work for every config, is left out), synthetic acceptance a per draft position, like the
     benchmark mode.
 Plain decoding, fixed blocks 4/8/16 and the engine's own SpecController (cost model, live overhead
-learned from the simulated wall times, acceptance tracker, drain) run in rounds per cell as in
-the sweep, one controller per acceptance kept across cells. Not modelled: the prefill and the
+learned from the simulated wall times, acceptance tracker, drain) run in rounds per cell, all
+five rotated each round (the sweep's order up to run 16), one controller per acceptance kept
+across cells. Not modelled: the prefill and the
 drafter context writes, the lazy context (no detach, no catch-up), the host's jitter beyond the
 noise factor. Reports decode-phase tok/s (simulated) and, for comparison, the run's measured
 end-to-end ratios (their prefill dilutes every ratio toward 1). Use it to see what the policy

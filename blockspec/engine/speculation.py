@@ -29,10 +29,10 @@ from blockspec.spec.policy import (
     StepOverhead,
 )
 
-# NOTE: block 2 (one draft) for large batches, where the verify is compute-bound and each
-# extra verified token costs nearly its FLOPs: on the H200 profile a 256-token forward costs
-# ~10.5-11 ms (B=128 at L=2, or B=64 at L=4) against 8.2 ms for plain decoding at B=128, while
-# L=2 commits 1 + p1 tokens per sequence (1.6 at a=0.6, 1.86 at a=0.86).
+# NOTE: block 2 (one draft) for large batches, where the verify is compute-bound: L=2 commits
+# 1 + p1 tokens per sequence (1.6 at a=0.6, 1.86 at a=0.86). Measured on the H200 (policy runs
+# 16-17): a block-2 step costs 1.44x a plain one at B=128 and 1.72x at B=256, so the policy
+# rarely picks it; it cost the best fixed block nothing measurable, so it stays.
 DEFAULT_BLOCK_SIZES = (2, 4, 8, 16)
 HALF_LIFE_STEPS = 64.0
 # NOTE: optimistic prior (trained DFlash drafters accept ~0.8-0.9 per position): a new engine
