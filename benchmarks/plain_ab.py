@@ -42,6 +42,7 @@ from fast_path import git_commit, timed_generate  # noqa: E402
 from policy_sweep import WARMUP_TOKENS, Setup, lazy_counts  # noqa: E402
 
 from blockspec import LLM  # noqa: E402
+from blockspec.engine.cost_profile import _fill_buffers  # noqa: E402
 
 PARTS = ("schedule", "runner_host", "device_wait", "postprocess")
 
@@ -119,6 +120,38 @@ def allocator_counts() -> dict[str, int]:
     st = torch.cuda.memory_stats()
     return {k: int(st.get(k, 0)) for k in ("num_device_alloc", "num_device_free",
                                            "num_alloc_retries")}
+
+
+def plain_graphs(llm: LLM):
+    """The CUDA graphs an all-decode plain step replays: the detached step's where the engine
+    has a drafter (lazy context), else the plain engine's (None without graphs: CPU, eager)."""
+    runner = llm.engine.runner
+    if runner.lazy is not None:
+        return runner.lazy.graphs
+    return runner.graphs_by_len.get(1)
+
+
+def replay_ms(llm: LLM, n: int, ctx: int, iters: int = 30) -> float | None:
+    """Median device time (CUDA events) of the plain step's graph replay at batch `n`, every
+    sequence at `ctx` tokens: the device half of a decode step, without the host around it."""
+    graphs, runner = plain_graphs(llm), llm.engine.runner
+    if graphs is None or not torch.cuda.is_available():
+        return None
+    _fill_buffers(runner, n, ctx)
+    times = []
+    try:
+        for i in range(iters + 3):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graphs.replay(n)
+            end.record()
+            end.synchronize()
+            if i >= 3:
+                times.append(start.elapsed_time(end))
+    finally:
+        runner.bufs.block_tables.fill_(runner.trash_block)
+        runner.bufs.ctx_lens.zero_()
+    return statistics.median(times)
 
 
 def top_functions(prof: cProfile.Profile, n: int = 25) -> list[str]:
@@ -235,6 +268,18 @@ def main() -> int:
     # Engine steps by block length over the whole run (the --between batches' included).
     res["adaptive_engine_block_len_steps"] = {
         str(L): n for L, n in sorted(spec.engine.spec_stats.block_len_steps.items())}
+    # The plain step's graph replay alone on each engine (rounds alternating): whether a gap in
+    # the all-decode steps is device work (the detached step's graphs) or host time.
+    ctx = setup.input_len + out_len // 2
+    replays: dict[str, list] = {name: [] for name in engines}
+    for k in range(5):
+        for name in (list(engines) if k % 2 == 0 else list(engines)[::-1]):
+            replays[name].append(replay_ms(engines[name], c, ctx))
+    res["replay_ms"] = {name: statistics.median(v) if None not in v else None
+                        for name, v in replays.items()}
+    res["replay_ms_runs"], res["replay_context"] = replays, ctx
+    print(f"plain-step graph replay at B={c}, context {ctx}: "
+          + ", ".join(f"{name} {v} ms" for name, v in res["replay_ms"].items()), flush=True)
     res["profiles"] = {}
     for name in engines:
         llm = use(name, 2)
