@@ -55,12 +55,21 @@ class DecodeStepClock:
         self.rows: list[dict[str, float]] = []
         self.profile: cProfile.Profile | None = None
         self._all_decode = self._prev_all_decode = False
+        # Block tables of the first all-decode step at full batch of the latest run (what the
+        # replay probe runs as "real"); set in timed_execute.
+        self.tables: torch.Tensor | None = None
+        self._full = 0
         runner = self.engine.runner
         execute, step = runner.execute, self.engine.step
 
         def timed_execute(seqs, num_new_tokens):
             self._all_decode = all(n == 1 and s.num_computed_tokens == s.num_tokens - 1
                                    for s, n in zip(seqs, num_new_tokens))
+            if self._all_decode and len(seqs) > self._full:
+                self._full = len(seqs)
+                width = max(len(s.block_table) for s in seqs)
+                self.tables = torch.tensor([s.block_table + [-1] * (width - len(s.block_table))
+                                            for s in seqs], dtype=torch.int32)
             return execute(seqs, num_new_tokens)
 
         def timed_step():
@@ -91,6 +100,7 @@ class DecodeStepClock:
         """The rows since the last call; called between runs (the next run starts prefilling)."""
         rows, self.rows = self.rows, []
         self._prev_all_decode = False
+        self._full = 0
         return rows
 
 
@@ -131,13 +141,28 @@ def plain_graphs(llm: LLM):
     return runner.graphs_by_len.get(1)
 
 
-def replay_ms(llm: LLM, n: int, ctx: int, iters: int = 30) -> float | None:
+def replay_ms(llm: LLM, n: int, ctx: int, layout: str = "contiguous",
+              tables: torch.Tensor | None = None, iters: int = 30) -> float | None:
     """Median device time (CUDA events) of the plain step's graph replay at batch `n`, every
-    sequence at `ctx` tokens: the device half of a decode step, without the host around it."""
+    sequence at `ctx` tokens: the device half of a decode step, without the host around it.
+    `layout`: each sequence's KV blocks consecutive ("contiguous", as the cost profile times
+    them), `tables` (block tables an engine really ran, "real"), or block ids drawn at random
+    over the whole cache ("scattered", an allocator's worst case)."""
     graphs, runner = plain_graphs(llm), llm.engine.runner
     if graphs is None or not torch.cuda.is_available():
         return None
     _fill_buffers(runner, n, ctx)
+    bt = runner.bufs.block_tables
+    if layout == "real":
+        # NOTE: -1 pads a shorter table: those entries keep the contiguous fill (a valid block).
+        w = min(tables.shape[1], bt.shape[1])
+        real = tables[:n, :w].to(bt.device)
+        bt[:n, :w] = torch.where(real >= 0, real, bt[:n, :w])
+    elif layout == "scattered":
+        per_seq = -(-(ctx + runner.max_block) // runner.bm.block_size)
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randperm(runner.bm.num_blocks, generator=g)[:n * per_seq]
+        bt[:n, :per_seq].copy_(ids.view(n, per_seq).to(torch.int32))
     times = []
     try:
         for i in range(iters + 3):
@@ -152,6 +177,14 @@ def replay_ms(llm: LLM, n: int, ctx: int, iters: int = 30) -> float | None:
         runner.bufs.block_tables.fill_(runner.trash_block)
         runner.bufs.ctx_lens.zero_()
     return statistics.median(times)
+
+
+def adjacency(tables: torch.Tensor) -> float:
+    """Share of a block table's neighbouring entries that are neighbouring block ids (1 for
+    a sequence's blocks in one run, ~0 for ids spread at random): the KV layout's locality."""
+    live = tables[:, 1:] >= 0
+    steps = (tables[:, 1:] - tables[:, :-1]).abs() == 1
+    return float((steps & live).sum() / max(1, int(live.sum())))
 
 
 def top_functions(prof: cProfile.Profile, n: int = 25) -> list[str]:
@@ -269,17 +302,30 @@ def main() -> int:
     res["adaptive_engine_block_len_steps"] = {
         str(L): n for L, n in sorted(spec.engine.spec_stats.block_len_steps.items())}
     # The plain step's graph replay alone on each engine (rounds alternating): whether a gap in
-    # the all-decode steps is device work (the detached step's graphs) or host time.
+    # the all-decode steps is device work (the detached step's graphs, or the KV layout the
+    # engine's allocator left: "real" replays the block tables of its last timed run) or host.
     ctx = setup.input_len + out_len // 2
-    replays: dict[str, list] = {name: [] for name in engines}
+    layouts = ("contiguous", "real", "scattered")
+    replays: dict[str, dict[str, list]] = {name: {lay: [] for lay in layouts} for name in engines}
+    tables = {name: clocks[name].tables for name in engines}
     for k in range(5):
         for name in (list(engines) if k % 2 == 0 else list(engines)[::-1]):
-            replays[name].append(replay_ms(engines[name], c, ctx))
-    res["replay_ms"] = {name: statistics.median(v) if None not in v else None
-                        for name, v in replays.items()}
+            for lay in layouts:
+                if lay == "real" and tables[name] is None:
+                    continue
+                # NOTE: where the real tables hold fewer blocks than ctx needs (the last run's
+                # first full decode step), its trailing columns keep the contiguous fill.
+                replays[name][lay].append(replay_ms(engines[name], c, ctx, lay, tables[name]))
+    res["replay_ms"] = {name: {lay: statistics.median(v) if v and None not in v else None
+                               for lay, v in by.items()} for name, by in replays.items()}
     res["replay_ms_runs"], res["replay_context"] = replays, ctx
-    print(f"plain-step graph replay at B={c}, context {ctx}: "
-          + ", ".join(f"{name} {v} ms" for name, v in res["replay_ms"].items()), flush=True)
+    res["table_adjacency"] = {name: adjacency(t) if t is not None else None
+                              for name, t in tables.items()}
+    for name, by in res["replay_ms"].items():
+        print(f"plain-step graph replay at B={c}, context {ctx}, {name}: " + ", ".join(
+            f"{lay} {v:.3f} ms" if v is not None else f"{lay} -" for lay, v in by.items())
+            + f"; its last run's block-table adjacency {res['table_adjacency'][name]}",
+            flush=True)
     res["profiles"] = {}
     for name in engines:
         llm = use(name, 2)
