@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from fastapi.testclient import TestClient
 from helpers import assert_no_leaks, count_block_len_steps
 
@@ -265,6 +266,11 @@ def test_plain_ab_smoke(tmp_path):
     for lines in res["profiles"].values():
         assert any("_execute_decode" in line for line in lines)
         assert not any("_execute_mixed" in line for line in lines)  # decode steps only
+    # The replay probe needs CUDA graphs (None here); each engine's last run's block tables
+    # were kept, and their adjacency is a share.
+    assert res["replay_ms"] == {name: {"contiguous": None, "real": None, "scattered": None}
+                                for name in ("plain", "adaptive")}
+    assert all(0.0 <= v <= 1.0 for v in res["table_adjacency"].values())
     # Against a fixed block on the same engine: both configs' steps counted apart.
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "plain_ab.py"), "--smoke",
                            "--pairs", "2", "--reference", "fixed:4", "--out-dir",
@@ -277,6 +283,18 @@ def test_plain_ab_smoke(tmp_path):
         assert 0 < pair["fixed 4"]["steps"]["steps"] <= 15
         assert 0 < pair["adaptive"]["steps"]["steps"] <= 15
     assert res["adaptive_engine_block_len_steps"].get("4", 0) > 0
+
+
+def test_plain_ab_block_table_adjacency():
+    """plain_ab.adjacency: the share of a table's live neighbouring entries that are
+    neighbouring block ids (-1 pads a shorter table and is not counted)."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from plain_ab import adjacency
+
+    t = torch.tensor([[0, 1, 2, 9], [3, 4, 5, -1]], dtype=torch.int32)
+    assert adjacency(t) == pytest.approx(4 / 5)
+    assert adjacency(torch.tensor([[7, 6, 5, 4]])) == 1.0  # descending runs count too
+    assert adjacency(torch.tensor([[0, 2, 4, 6]])) == 0.0
 
 
 def test_host_overhead_benchmark(tmp_path):
