@@ -8,7 +8,10 @@ engine (the order alternating), the same shapes and setup as policy_sweep, and f
 all-decode step its wall time by part (schedule, runner host, device wait, postprocess), so the
 prefill, which dominates the runs' per-step averages, stays out (the other steps, prefill chunks
 with or without decodes, are reported apart, in all per run). One more run of each engine
-under cProfile lists the functions with the most own time in its all-decode steps.
+under cProfile lists the functions with the most own time in its all-decode steps. Before it,
+the plain step's graph replay alone (CUDA events) on each engine, on consecutive KV blocks, on
+the block tables its last timed run used, and on block ids scattered over the cache: device work
+vs host time, and what the allocator's KV layout costs.
 `--between L` runs an untimed fixed-L batch on the speculative engine before each adaptive run
 (policy_sweep switches configs between runs; whether that matters is what it tests).
 `--reference fixed:L` pairs adaptive with the same engine at fixed block L instead (the cells
@@ -154,10 +157,11 @@ def replay_ms(llm: LLM, n: int, ctx: int, layout: str = "contiguous",
     _fill_buffers(runner, n, ctx)
     bt = runner.bufs.block_tables
     if layout == "real":
-        # NOTE: -1 pads a shorter table: those entries keep the contiguous fill (a valid block).
-        w = min(tables.shape[1], bt.shape[1])
-        real = tables[:n, :w].to(bt.device)
-        bt[:n, :w] = torch.where(real >= 0, real, bt[:n, :w])
+        # NOTE: -1 pads a shorter table, and a run whose fullest decode step had fewer than n
+        # sequences leaves rows out: those entries keep the contiguous fill (valid blocks).
+        rows, w = min(n, tables.shape[0]), min(tables.shape[1], bt.shape[1])
+        real = tables[:rows, :w].to(bt.device)
+        bt[:rows, :w] = torch.where(real >= 0, real, bt[:rows, :w])
     elif layout == "scattered":
         per_seq = -(-(ctx + runner.max_block) // runner.bm.block_size)
         g = torch.Generator().manual_seed(0)
