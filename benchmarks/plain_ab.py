@@ -45,7 +45,7 @@ from fast_path import git_commit, timed_generate  # noqa: E402
 from policy_sweep import WARMUP_TOKENS, Setup, lazy_counts  # noqa: E402
 
 from blockspec import LLM  # noqa: E402
-from blockspec.engine.cost_profile import _fill_buffers  # noqa: E402
+from blockspec.engine.cost_profile import _fill_buffers, replay_seconds  # noqa: E402
 
 PARTS = ("schedule", "runner_host", "device_wait", "postprocess")
 
@@ -167,20 +167,12 @@ def replay_ms(llm: LLM, n: int, ctx: int, layout: str = "contiguous",
         g = torch.Generator().manual_seed(0)
         ids = torch.randperm(runner.bm.num_blocks, generator=g)[:n * per_seq]
         bt[:n, :per_seq].copy_(ids.view(n, per_seq).to(torch.int32))
-    times = []
     try:
-        for i in range(iters + 3):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graphs.replay(n)
-            end.record()
-            end.synchronize()
-            if i >= 3:
-                times.append(start.elapsed_time(end))
+        times = replay_seconds(graphs, n, warmup=3, iters=iters)
     finally:
         runner.bufs.block_tables.fill_(runner.trash_block)
         runner.bufs.ctx_lens.zero_()
-    return statistics.median(times)
+    return 1e3 * statistics.median(times)
 
 
 def adjacency(tables: torch.Tensor) -> float:

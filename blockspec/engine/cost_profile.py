@@ -36,6 +36,7 @@ from blockspec.layers.attention import PagedAttention
 from blockspec.spec.cost_model import StepCostModel, profile_key
 
 if TYPE_CHECKING:
+    from blockspec.engine.decode_step import GraphedDecodeStep
     from blockspec.engine.model_runner import ModelRunner
 
 GRAPH_WARMUP, GRAPH_ITERS = 2, 8
@@ -120,18 +121,24 @@ def _fill_buffers(runner: ModelRunner, n: int, ctx: int) -> None:
     bufs.uniforms.fill_(1.0)  # synthetic mode: accept nothing (costs do not depend on it)
 
 
-def _time_graph(runner: ModelRunner, L: int, n: int) -> float:
-    graphs = runner.graphs_by_len[L]
+def replay_seconds(graphs: GraphedDecodeStep, n: int, warmup: int = GRAPH_WARMUP,
+                   iters: int = GRAPH_ITERS) -> list[float]:
+    """Device seconds (CUDA events) of `iters` replays of `graphs` at batch `n`, after `warmup`."""
     times = []
-    for i in range(GRAPH_WARMUP + GRAPH_ITERS):
+    for i in range(warmup + iters):
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         start.record()
         graphs.replay(n)
         end.record()
         end.synchronize()
-        if i >= GRAPH_WARMUP:
+        if i >= warmup:
             times.append(start.elapsed_time(end) / 1e3)
+    return times
+
+
+def _time_graph(runner: ModelRunner, L: int, n: int) -> float:
+    times = replay_seconds(runner.graphs_by_len[L], n)
     return sorted(times)[len(times) // 2]
 
 

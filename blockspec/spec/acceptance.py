@@ -127,13 +127,8 @@ class AcceptanceTracker:
 
 
 def expected_committed_from_rates(rates: Sequence[float], block_len: int) -> float:
-    if block_len < 1 or len(rates) < block_len - 1:
-        raise ValueError(f"need block_len >= 1 and {block_len - 1} rates, got {len(rates)}")
-    total, reach = 1.0, 1.0
-    for p in rates[:block_len - 1]:
-        reach *= p
-        total += reach
-    return total
+    """E[tokens committed per verify step of length L]: committed_moments_from_rates' mean."""
+    return committed_moments_from_rates(rates, block_len)[0]
 
 
 def committed_moments_from_rates(rates: Sequence[float], block_len: int | Sequence[int]
