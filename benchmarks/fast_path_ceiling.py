@@ -1,12 +1,12 @@
 """How far can the fast path go? Matmul-only lower bounds for issue 4's two unmet bars, one GPU,
 one run (the Qwen3-8B-shape target and 5-layer drafter of benchmarks/fast_path.py).
 
-A step cannot be faster than its matrix multiplies: this script captures exactly the cuBLAS
-GEMMs a step runs (the models' own weights, the same `x @ W.T` calls as their nn.Linear layers,
-nothing else: no attention, norms, RoPE, argmax, host work) in one CUDA graph and times it.
+A step cannot be faster than its matrix multiplies: this script captures exactly the GEMMs a
+step runs (the models' own weights, the same `x @ W.T` calls as their Linear layers, nothing
+else: no attention, norms, RoPE, argmax, host work) in one CUDA graph and times it.
   1. AR batch 1: the matmul-only step against the bytes floor (copy bandwidth measured here),
-     next to the engine's graph replay; plus a plain Triton GEMV (no fusion) over the same
-     weights, per projection, to see whether a hand-written kernel beats cuBLAS there.
+     with cuBLAS and with the skinny Triton matmuls (layers/linear.py), next to the engine's
+     graph replay; and linear_sweep.py's per-projection cuBLAS vs Triton configs at M = 1, 16.
   2. C=32 (input 512, output 256): AR and DFlash (block 16, LABELLED synthetic acceptance a)
      engine runs, each step traced (sequences decoding, prefill tokens, wall time). DFlash's
      lower bound replaces every step by its matmuls alone: decode steps by the matmul-only
@@ -15,6 +15,7 @@ nothing else: no attention, norms, RoPE, argmax, host work) in one CUDA graph an
      fusion or host work on DFlash's side can beat it, and a faster AR only lowers it.
 
 Usage: python benchmarks/fast_path_ceiling.py --out-dir DIR [--acceptance 0.86]
+       [--linear-backend auto|torch|triton]
 """
 
 from __future__ import annotations
@@ -44,7 +45,9 @@ from fast_path import (  # noqa: E402
     run_generate,
     write_folders,
 )
-from gemv import gemv_best  # noqa: E402
+from linear_sweep import sweep  # noqa: E402
+
+from blockspec.layers.linear import linear  # noqa: E402
 
 C, BLOCK = 32, 16
 Call = tuple[torch.Tensor, int]  # (weight [N, K], rows M)
@@ -83,14 +86,14 @@ def dflash_step_calls(model: nn.Module, drafter: nn.Module, b: int) -> list[Call
 class GemmGraph:
     """The given matmuls back to back, captured once; `ms()` is a replay's median time."""
 
-    def __init__(self, calls: list[Call]) -> None:
+    def __init__(self, calls: list[Call], backend: str = "torch") -> None:
         dev, dt = calls[0][0].device, calls[0][0].dtype
         max_m = max(m for _, m in calls)
         self.xs = {k: torch.randn(max_m, k, device=dev, dtype=dt)
                    for k in {w.shape[1] for w, _ in calls}}
         self.outs = {n: torch.empty(max_m, n, device=dev, dtype=dt)
                      for n in {w.shape[0] for w, _ in calls}}
-        self.calls = calls
+        self.calls, self.backend = calls, backend
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
@@ -103,7 +106,10 @@ class GemmGraph:
 
     def _run(self) -> None:
         for w, m in self.calls:
-            torch.mm(self.xs[w.shape[1]][:m], w.t(), out=self.outs[w.shape[0]][:m])
+            if self.backend == "torch":  # F.linear's cuBLAS call, into a static output
+                torch.mm(self.xs[w.shape[1]][:m], w.t(), out=self.outs[w.shape[0]][:m])
+            else:
+                linear(self.xs[w.shape[1]][:m], w, None, self.backend)
 
     def ms(self, iters: int = 20) -> float:
         for _ in range(3):
@@ -119,8 +125,8 @@ class GemmGraph:
         return float(np.median(times))
 
 
-def gemm_ms(calls: list[Call]) -> float:
-    g = GemmGraph(calls)
+def gemm_ms(calls: list[Call], backend: str = "torch") -> float:
+    g = GemmGraph(calls, backend)
     t = g.ms()
     del g
     return t
@@ -184,6 +190,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out-dir", required=True)
     ap.add_argument("--acceptance", type=float, default=0.86)
+    ap.add_argument("--linear-backend", default="auto", choices=["auto", "torch", "triton"],
+                    help="the engines' (matmul-only graphs time both)")
     args = ap.parse_args()
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -195,7 +203,7 @@ def main() -> int:
         "device": torch.cuda.get_device_name(), "torch": torch.__version__,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": git_commit(), "acceptance": args.acceptance, "concurrency": C,
-        "input_len": INPUT_LEN, "output_len": OUTPUT_LEN,
+        "input_len": INPUT_LEN, "output_len": OUTPUT_LEN, "linear_backend": args.linear_backend,
     }
 
     def save() -> None:
@@ -206,18 +214,18 @@ def main() -> int:
     res["copy_bandwidth_GBps"] = bw / 1e9
     ctx = INPUT_LEN + OUTPUT_LEN // 2
 
-    # --- AR: batch 1 floor, matmul-only step, engine replay, Triton GEMV; C=32 traced run.
-    ar = make_llm(target, None)
+    # --- AR: batch 1 floor, matmul-only step, engine replay; C=32 traced run.
+    ar = make_llm(target, None, linear_backend=args.linear_backend)
     run_generate(ar, 2, 8)
     model = ar.engine.model
     floor = floor_bytes(ar, ctx) / bw * 1e3
     res["ar_b1"] = {"context": ctx, "bytes_floor_ms": floor,
                     "graph_replay_ms": replay_ms(ar, 1, ctx),
-                    "matmul_only_ms": gemm_ms(target_calls(model, 1, 1))}
+                    "matmul_only_ms": gemm_ms(target_calls(model, 1, 1)),
+                    "matmul_only_skinny_ms": gemm_ms(target_calls(model, 1, 1), "triton")}
     res["ar_b1"].update({k.replace("_ms", "_floor_ratio"): v / floor
                          for k, v in list(res["ar_b1"].items()) if k.endswith("_ms")
                          and k != "bytes_floor_ms"})
-    res["ar_b1"]["gemv_by_projection"] = gemv_best(model, bw)
     print(json.dumps(res["ar_b1"], indent=1), flush=True)
     res["ar_b32"] = {"graph_replay_ms": replay_ms(ar, C, ctx),
                      "matmul_only_ms": gemm_ms(target_calls(model, C, C))}
@@ -231,13 +239,21 @@ def main() -> int:
 
     # --- DFlash: per-batch matmul-only step vs the engine's replay; C=32 traced run.
     sp = make_llm(target, drafter_dir, synthetic_acceptance=args.acceptance,
-                  benchmark_mode=True)
+                  benchmark_mode=True, linear_backend=args.linear_backend)
     run_generate(sp, 2, 8)
     model, drafter = sp.engine.model, sp.engine.runner.proposer.drafter
+    res["linear_sweep"] = sweep(model, drafter, bw)
+    for m, rows in res["linear_sweep"].items():
+        print(m, {k: (round(r["cublas_ms"], 3), r["best_config"], round(r["best_ms"], 3),
+                      round(r.get("default_ms") or 0, 3)) for k, r in rows.items()
+                  if k != "total"}, rows["total"], flush=True)
+    save()
     res["prefill_us_per_token_drafter_context"] = \
         1e3 * gemm_ms(drafter_context_calls(drafter, 8192)) / 8192
     res["dflash_step_matmul_only_ms"] = {b: gemm_ms(dflash_step_calls(model, drafter, b))
                                          for b in range(1, C + 1)}
+    res["dflash_b1_matmul_only_skinny_ms"] = gemm_ms(dflash_step_calls(model, drafter, 1),
+                                                     "triton")
     res["dflash_step_replay_ms"] = {b: replay_ms(sp, b, ctx)
                                     for b in sp.engine.runner.graphs.buckets if b <= C}
     print("DFlash step matmul-only / replay (ms):",
@@ -255,6 +271,7 @@ def main() -> int:
 
 def ceilings(res: dict, a: float) -> None:
     mm = {int(b): t for b, t in res["dflash_step_matmul_only_ms"].items()}
+    mm[1] = min(mm[1], res.get("dflash_b1_matmul_only_skinny_ms", mm[1]))
     per_tok = res["prefill_us_per_token_target"] + res["prefill_us_per_token_drafter_context"]
     bound, decode_bound = 0.0, 0.0
     for st in res["dflash_c32_trace"]:

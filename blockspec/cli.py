@@ -38,6 +38,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--enforce-eager", action="store_true", help="CUDA: do not use CUDA graphs")
     g.add_argument("--attention-backend", choices=["auto", "torch", "triton"], default="auto",
                    help="auto: triton on CUDA, torch on CPU")
+    g.add_argument("--linear-backend", choices=["auto", "torch", "triton"], default="auto",
+                   help="matmuls of <= 16 rows (small decode steps); auto: triton on CUDA, "
+                        "torch (cuBLAS) on CPU and for larger batches")
     d = p.add_argument_group("speculative decoding")
     d.add_argument("--draft", default=None,
                    help="DFlash drafter folder (published checkpoint format): enables DFlash; "
@@ -87,7 +90,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         speculation_policy=args.speculation_policy, block_sizes=args.block_sizes,
         cost_profile=args.cost_profile, lazy_draft_context=args.lazy_draft_context,
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
-        attention_backend=args.attention_backend,
+        attention_backend=args.attention_backend, linear_backend=args.linear_backend,
     )
 
 

@@ -216,6 +216,9 @@ class EngineConfig:
     # eager target pass before the drafter next runs. None: on with the adaptive policy.
     lazy_draft_context: bool | None = None
     attention_backend: str = "auto"  # auto: triton on CUDA, torch on CPU
+    # Matmuls of at most 16 rows (small decode steps): auto = Triton kernels on CUDA (they read
+    # the weights faster than cuBLAS there), torch (F.linear / cuBLAS) on CPU and for the rest.
+    linear_backend: str = "auto"
     # Benchmark-only: accept each draft position with this probability instead of checking it.
     # Output is then NOT the target's; `benchmark_mode=True` must be set to use it.
     synthetic_acceptance: float | None = None
@@ -258,6 +261,9 @@ class EngineConfig:
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ConfigError(f"attention backend must be auto, torch or triton, got "
                               f"{self.attention_backend!r}")
+        if self.linear_backend not in ("auto", "torch", "triton"):
+            raise ConfigError(f"linear backend must be auto, torch or triton, got "
+                              f"{self.linear_backend!r}")
         if self.load_format not in ("auto", "dummy"):
             raise ConfigError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:

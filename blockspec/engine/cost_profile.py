@@ -33,6 +33,7 @@ import torch
 from blockspec.config import EngineConfig
 from blockspec.engine.context_staging import STAGING_STEPS
 from blockspec.layers.attention import PagedAttention
+from blockspec.layers.linear import Linear
 from blockspec.spec.cost_model import StepCostModel, profile_key
 
 if TYPE_CHECKING:
@@ -85,6 +86,8 @@ def cost_key(runner: ModelRunner, config: EngineConfig) -> dict[str, Any]:
     attn = next(m for m in runner.model.modules() if isinstance(m, PagedAttention))
     key.update(draft=model_id(config.draft), buckets=profile_buckets(runner),
                graphs=bool(runner.graphs_by_len), attention_backend=attn.backend.name,
+               linear_backend=next(m.backend for m in runner.model.modules()
+                                   if isinstance(m, Linear)),
                context=profile_context(runner), max_model_len=runner.max_model_len,
                torch=torch.__version__, steps=STEP_VERSION)
     return key

@@ -26,6 +26,7 @@ from blockspec.engine.sequence import Sequence
 from blockspec.engine.speculation import resolve_block_lens
 from blockspec.engine.step_result import StepResult, StepTimings
 from blockspec.layers.attention import PagedAttention, get_backend
+from blockspec.layers.linear import Linear
 from blockspec.models.loader import load_model
 from blockspec.outputs import RequestOutput
 from blockspec.sampling_params import SamplingParams
@@ -65,7 +66,7 @@ class LLMEngine:
             # NOTE: the drafter's pool shares the block ids: each block costs both pools' bytes.
             per_block += kv_bytes_per_block(drafter.config.geometry, config.kv_block_size,
                                             self.dtype)
-        self._set_attention_backend(drafter)
+        self._set_backends(drafter)
         activation = 0
         if self.device.type == "cuda" and config.num_kv_blocks is None \
                 and config.kv_cache_memory_gb is None:
@@ -111,7 +112,7 @@ class LLMEngine:
         self.closed_batch = False
         self.finish_seconds = 0.0  # the last step's time spent finishing requests (_commit)
 
-    def _set_attention_backend(self, drafter: torch.nn.Module | None) -> None:
+    def _set_backends(self, drafter: torch.nn.Module | None) -> None:
         name = self.config.attention_backend
         if name == "auto":
             name = "triton" if self.device.type == "cuda" else "torch"
@@ -121,6 +122,14 @@ class LLMEngine:
                 if isinstance(m, PagedAttention):
                     m.backend = backend
         self.attention_backend = name
+        name = self.config.linear_backend
+        if name == "auto":
+            name = "triton" if self.device.type == "cuda" else "torch"
+        for model in (self.model, drafter):
+            for m in model.modules() if model is not None else ():
+                if isinstance(m, Linear):
+                    m.backend = name
+        self.linear_backend = name
 
     # -- requests -------------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:

@@ -12,7 +12,6 @@ states into draft tokens.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from blockspec.layers.attention import AttentionMetadata, PagedAttention
@@ -22,6 +21,7 @@ from blockspec.layers.fused import (
     qk_norm_rope_store,
     rms_norm,
 )
+from blockspec.layers.linear import Linear, linear
 from blockspec.layers.norm import RMSNorm
 from blockspec.layers.rotary import RotaryEmbedding
 from blockspec.models.qwen3 import MLP, CausalLM
@@ -36,9 +36,9 @@ class DraftAttention(nn.Module):
             g.num_attention_heads, g.num_key_value_heads, g.head_dim)
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(g.hidden_size, self.q_size + 2 * self.kv_size,
+        self.qkv_proj = Linear(g.hidden_size, self.q_size + 2 * self.kv_size,
                                   bias=g.attention_bias)
-        self.o_proj = nn.Linear(self.q_size, g.hidden_size, bias=g.attention_bias)
+        self.o_proj = Linear(self.q_size, g.hidden_size, bias=g.attention_bias)
         self.q_norm = RMSNorm(self.head_dim, g.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, g.rms_norm_eps)
         self.rotary = rotary
@@ -50,10 +50,10 @@ class DraftAttention(nn.Module):
         """K/V of fused context features [T, H] at their absolute positions, into the cache."""
         w = self.qkv_proj.weight[self.q_size:]
         b = None if self.qkv_proj.bias is None else self.qkv_proj.bias[self.q_size:]
-        k_norm_rope_store(F.linear(ctx, w, b), positions, self.rotary.cos_cache,
-                          self.rotary.sin_cache, self.num_kv_heads, self.head_dim,
-                          self.k_norm.weight, self.k_norm.eps, self.attn.k_cache,
-                          self.attn.v_cache, slot_mapping)
+        kv = linear(ctx, w, b, self.qkv_proj.backend)
+        k_norm_rope_store(kv, positions, self.rotary.cos_cache, self.rotary.sin_cache,
+                          self.num_kv_heads, self.head_dim, self.k_norm.weight, self.k_norm.eps,
+                          self.attn.k_cache, self.attn.v_cache, slot_mapping)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
@@ -88,7 +88,7 @@ class DFlashDrafter(nn.Module):
         self.config = cfg
         rotary = RotaryEmbedding(g.head_dim, g.max_position_embeddings, g.rope)
         self.layers = nn.ModuleList(DraftLayer(cfg, rotary) for _ in range(g.num_hidden_layers))
-        self.fc = nn.Linear(len(cfg.target_layer_ids) * g.hidden_size, g.hidden_size, bias=False)
+        self.fc = Linear(len(cfg.target_layer_ids) * g.hidden_size, g.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(g.hidden_size, g.rms_norm_eps)
         self.norm = RMSNorm(g.hidden_size, g.rms_norm_eps)
 

@@ -1,0 +1,107 @@
+"""Skinny matmuls at decode shapes: cuBLAS (`x @ W.T`) against the Triton kernels of
+blockspec/layers/linear.py over a grid of configs, per projection of the Qwen3-8B-shape target
+and the DFlash drafter, at M = 1 (AR batch 1) and M = 16 (one sequence's speculative step).
+Each projection's weights are all read once per timing (every layer's), so L2 holds none of them.
+Used by fast_path_ceiling.py (which runs it on the engines' own weights).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from blockspec.layers.linear import skinny_config, skinny_linear
+
+# (BLOCK_N, BLOCK_K, num_warps, num_stages)
+GEMV_CONFIGS = [(4, 1024, 4, 3), (8, 512, 4, 3), (8, 1024, 8, 3), (16, 512, 4, 4),
+                (16, 256, 4, 4), (16, 1024, 8, 2), (16, 512, 4, 3), (32, 256, 8, 3),
+                (32, 512, 8, 3)]
+DOT_CONFIGS = [(32, 64, 4, 4), (32, 128, 4, 4), (32, 256, 4, 3), (64, 64, 4, 5),
+               (64, 128, 4, 4), (64, 256, 8, 3), (128, 64, 4, 4), (128, 128, 8, 3),
+               (16, 256, 4, 4)]
+
+
+def graph_ms(fn, iters: int = 20) -> float:
+    """Median replay time of `fn` captured in one CUDA graph."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    for _ in range(3):
+        g.replay()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return float(np.median(times))
+
+
+def projections(model, drafter=None) -> dict[str, list[torch.Tensor]]:
+    layers = model.model.layers
+    out = {"qkv_proj": [la.self_attn.qkv_proj.weight for la in layers],
+           "o_proj": [la.self_attn.o_proj.weight for la in layers],
+           "gate_up_proj": [la.mlp.gate_up_proj.weight for la in layers],
+           "down_proj": [la.mlp.down_proj.weight for la in layers],
+           "lm_head": [model.lm_head.weight]}
+    if drafter is not None:
+        out["drafter_fc"] = [drafter.fc.weight]
+        out["drafter_kv"] = [la.self_attn.qkv_proj.weight[la.self_attn.q_size:]
+                             for la in drafter.layers]
+    return out
+
+
+def time_projection(ws: list[torch.Tensor], m: int, copy_bw: float) -> dict:
+    """cuBLAS vs every Triton config (and the default `skinny_config`) for `ws` at `m` rows."""
+    n, k = ws[0].shape
+    x = torch.randn(m, k, device=ws[0].device, dtype=ws[0].dtype)
+    y = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    ref = (x @ ws[0].t()).float()
+
+    def cublas() -> None:
+        for w in ws:
+            torch.mm(x, w.t(), out=y)
+
+    def triton_all(cfg) -> None:
+        for w in ws:
+            skinny_linear(x, w, cfg)
+
+    nbytes = sum(w.numel() * w.element_size() for w in ws)
+    row: dict = {"bytes": nbytes, "cublas_ms": graph_ms(cublas), "configs": {}}
+    default = skinny_config(m, n, k)
+    for cfg in (GEMV_CONFIGS if m == 1 else DOT_CONFIGS):
+        if k % cfg[1]:
+            continue
+        err = (skinny_linear(x, ws[0], cfg).float() - ref).abs().max().item()
+        row["configs"][str(list(cfg))] = {"ms": graph_ms(lambda cfg=cfg: triton_all(cfg)),
+                                         "max_abs_err": err}
+    best = min(row["configs"], key=lambda c: row["configs"][c]["ms"])
+    row["best_config"], row["best_ms"] = best, row["configs"][best]["ms"]
+    if default is not None:
+        row["default_config"] = str(list(default))
+        row["default_ms"] = row["configs"].get(row["default_config"], {}).get("ms") \
+            or graph_ms(lambda: triton_all(default))
+    for key in ("cublas", "best", "default"):
+        if f"{key}_ms" in row:
+            row[f"{key}_of_copy_bw"] = nbytes / (row[f"{key}_ms"] / 1e3) / copy_bw
+    return row
+
+
+def sweep(model, drafter, copy_bw: float, ms: tuple[int, ...] = (1, 16)) -> dict:
+    """`time_projection` for every projection at each M; totals per M (cuBLAS, best, default)."""
+    res: dict = {}
+    for m in ms:
+        rows = {name: time_projection(ws, m, copy_bw)
+                for name, ws in projections(model, drafter if m > 1 else None).items()}
+        rows["total"] = {k: sum(r.get(k, r["cublas_ms"]) for r in rows.values())
+                         for k in ("cublas_ms", "best_ms", "default_ms")}
+        res[f"M={m}"] = rows
+    return res
