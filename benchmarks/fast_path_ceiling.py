@@ -5,8 +5,8 @@ A step cannot be faster than its matrix multiplies: this script captures exactly
 step runs (the models' own weights, the same `x @ W.T` calls as their Linear layers, nothing
 else: no attention, norms, RoPE, argmax, host work) in one CUDA graph and times it.
   1. AR batch 1: the matmul-only step against the bytes floor (copy bandwidth measured here),
-     with cuBLAS and with the skinny Triton matmuls (layers/linear.py), next to the engine's
-     graph replay; and linear_sweep.py's per-projection cuBLAS vs Triton configs at M = 1, 16.
+     with cuBLAS and with the Triton GEMV (layers/linear.py), next to the engine's graph
+     replay; and linear_sweep.py's per-projection cuBLAS vs GEMV configs.
   2. C=32 (input 512, output 256): AR and DFlash (block 16, LABELLED synthetic acceptance a)
      engine runs, each step traced (sequences decoding, prefill tokens, wall time). DFlash's
      lower bound replaces every step by its matmuls alone: decode steps by the matmul-only
@@ -222,7 +222,7 @@ def main() -> int:
     res["ar_b1"] = {"context": ctx, "bytes_floor_ms": floor,
                     "graph_replay_ms": replay_ms(ar, 1, ctx),
                     "matmul_only_ms": gemm_ms(target_calls(model, 1, 1)),
-                    "matmul_only_skinny_ms": gemm_ms(target_calls(model, 1, 1), "triton")}
+                    "matmul_only_triton_ms": gemm_ms(target_calls(model, 1, 1), "triton")}
     res["ar_b1"].update({k.replace("_ms", "_floor_ratio"): v / floor
                          for k, v in list(res["ar_b1"].items()) if k.endswith("_ms")
                          and k != "bytes_floor_ms"})
@@ -252,8 +252,6 @@ def main() -> int:
         1e3 * gemm_ms(drafter_context_calls(drafter, 8192)) / 8192
     res["dflash_step_matmul_only_ms"] = {b: gemm_ms(dflash_step_calls(model, drafter, b))
                                          for b in range(1, C + 1)}
-    res["dflash_b1_matmul_only_skinny_ms"] = gemm_ms(dflash_step_calls(model, drafter, 1),
-                                                     "triton")
     res["dflash_step_replay_ms"] = {b: replay_ms(sp, b, ctx)
                                     for b in sp.engine.runner.graphs.buckets if b <= C}
     print("DFlash step matmul-only / replay (ms):",
@@ -271,7 +269,6 @@ def main() -> int:
 
 def ceilings(res: dict, a: float) -> None:
     mm = {int(b): t for b, t in res["dflash_step_matmul_only_ms"].items()}
-    mm[1] = min(mm[1], res.get("dflash_b1_matmul_only_skinny_ms", mm[1]))
     per_tok = res["prefill_us_per_token_target"] + res["prefill_us_per_token_drafter_context"]
     bound, decode_bound = 0.0, 0.0
     for st in res["dflash_c32_trace"]:

@@ -1,8 +1,7 @@
-"""Skinny matmuls at decode shapes: cuBLAS (`x @ W.T`) against the Triton kernels of
-blockspec/layers/linear.py over a grid of configs, per projection of the Qwen3-8B-shape target
-and the DFlash drafter, at M = 1 (AR batch 1) and M = 16 (one sequence's speculative step).
-Each projection's weights are all read once per timing (every layer's), so L2 holds none of them.
-Used by fast_path_ceiling.py (which runs it on the engines' own weights).
+"""Batch-1 matmuls: cuBLAS (`x @ W.T`, M = 1) against blockspec/layers/linear.py's Triton GEMV
+over a grid of configs, per projection of the Qwen3-8B-shape target (and the DFlash drafter's fc
+and K/V projections). Each projection's weights are all read once per timing (every layer's), so
+L2 holds none of them. Used by fast_path_ceiling.py (on the engines' own weights).
 """
 
 from __future__ import annotations
@@ -10,15 +9,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from blockspec.layers.linear import skinny_config, skinny_linear
+from blockspec.layers.linear import gemv, gemv_config
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages)
 GEMV_CONFIGS = [(4, 1024, 4, 3), (8, 512, 4, 3), (8, 1024, 8, 3), (16, 512, 4, 4),
                 (16, 256, 4, 4), (16, 1024, 8, 2), (16, 512, 4, 3), (32, 256, 8, 3),
                 (32, 512, 8, 3)]
-DOT_CONFIGS = [(32, 64, 4, 4), (32, 128, 4, 4), (32, 256, 4, 3), (64, 64, 4, 5),
-               (64, 128, 4, 4), (64, 256, 8, 3), (128, 64, 4, 4), (128, 128, 8, 3),
-               (16, 256, 4, 4)]
 
 
 def graph_ms(fn, iters: int = 20) -> float:
@@ -59,11 +55,11 @@ def projections(model, drafter=None) -> dict[str, list[torch.Tensor]]:
     return out
 
 
-def time_projection(ws: list[torch.Tensor], m: int, copy_bw: float) -> dict:
-    """cuBLAS vs every Triton config (and the default `skinny_config`) for `ws` at `m` rows."""
+def time_projection(ws: list[torch.Tensor], copy_bw: float) -> dict:
+    """cuBLAS vs every GEMV config (and the default, `gemv_config`) for the weights `ws`."""
     n, k = ws[0].shape
-    x = torch.randn(m, k, device=ws[0].device, dtype=ws[0].dtype)
-    y = torch.empty(m, n, device=x.device, dtype=x.dtype)
+    x = torch.randn(1, k, device=ws[0].device, dtype=ws[0].dtype)
+    y = torch.empty(1, n, device=x.device, dtype=x.dtype)
     ref = (x @ ws[0].t()).float()
 
     def cublas() -> None:
@@ -72,15 +68,15 @@ def time_projection(ws: list[torch.Tensor], m: int, copy_bw: float) -> dict:
 
     def triton_all(cfg) -> None:
         for w in ws:
-            skinny_linear(x, w, cfg)
+            gemv(x, w, cfg)
 
     nbytes = sum(w.numel() * w.element_size() for w in ws)
     row: dict = {"bytes": nbytes, "cublas_ms": graph_ms(cublas), "configs": {}}
-    default = skinny_config(m, n, k)
-    for cfg in (GEMV_CONFIGS if m == 1 else DOT_CONFIGS):
+    default = gemv_config(n, k)
+    for cfg in GEMV_CONFIGS:
         if k % cfg[1]:
             continue
-        err = (skinny_linear(x, ws[0], cfg).float() - ref).abs().max().item()
+        err = (gemv(x, ws[0], cfg).float() - ref).abs().max().item()
         row["configs"][str(list(cfg))] = {"ms": graph_ms(lambda cfg=cfg: triton_all(cfg)),
                                          "max_abs_err": err}
     best = min(row["configs"], key=lambda c: row["configs"][c]["ms"])
@@ -95,13 +91,10 @@ def time_projection(ws: list[torch.Tensor], m: int, copy_bw: float) -> dict:
     return row
 
 
-def sweep(model, drafter, copy_bw: float, ms: tuple[int, ...] = (1, 16)) -> dict:
-    """`time_projection` for every projection at each M; totals per M (cuBLAS, best, default)."""
-    res: dict = {}
-    for m in ms:
-        rows = {name: time_projection(ws, m, copy_bw)
-                for name, ws in projections(model, drafter if m > 1 else None).items()}
-        rows["total"] = {k: sum(r.get(k, r["cublas_ms"]) for r in rows.values())
-                         for k in ("cublas_ms", "best_ms", "default_ms")}
-        res[f"M={m}"] = rows
-    return res
+def sweep(model, drafter=None, copy_bw: float = 1.0) -> dict:
+    """`time_projection` for every projection; totals (cuBLAS, best config, default config)."""
+    rows = {name: time_projection(ws, copy_bw)
+            for name, ws in projections(model, drafter).items()}
+    rows["total"] = {k: sum(r.get(k, r["cublas_ms"]) for r in rows.values())
+                     for k in ("cublas_ms", "best_ms", "default_ms")}
+    return {"M=1": rows}

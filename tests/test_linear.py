@@ -1,6 +1,6 @@
-"""Skinny-batch Triton matmuls (layers/linear.py) vs F.linear, their dispatch, and the engine
-with them: greedy output unchanged, speculative greedy still equal to plain greedy. Without a GPU
-the kernels run in Triton's interpreter (conftest sets TRITON_INTERPRET=1)."""
+"""The batch-1 Triton GEMV (layers/linear.py) vs F.linear, its dispatch, and the engine with it:
+greedy output unchanged, speculative greedy still equal to plain greedy. Without a GPU the kernel
+runs in Triton's interpreter (conftest sets TRITON_INTERPRET=1)."""
 
 from __future__ import annotations
 
@@ -18,51 +18,48 @@ TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 1e-2), torch.float16:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("m", [1, 3, 16])
-@pytest.mark.parametrize("n", [40, 96])
-def test_skinny_linear_matches_f_linear(dtype, m, n):
-    if DEVICE == "cuda" and dtype == torch.float32:
-        pytest.skip("fp32 tl.dot runs in tf32 on GPU; the engine sends only bf16/fp16 there")
-    g = torch.Generator().manual_seed(m * 1000 + n)
+@pytest.mark.parametrize("n", [40, 96, 16384])
+def test_gemv_matches_f_linear(dtype, n):
+    g = torch.Generator().manual_seed(n)
     k = 96  # not a multiple of the default BLOCK_K: the config halves it to 32
-    x = torch.randn(m, k, generator=g).to(DEVICE, dtype)
+    x = torch.randn(1, k, generator=g).to(DEVICE, dtype)
     w = (torch.randn(n, k, generator=g) / k**0.5).to(DEVICE, dtype)
-    y = lin.skinny_linear(x, w)
-    assert y.dtype == dtype and y.shape == (m, n)
+    y = lin.gemv(x, w)
+    assert y.dtype == dtype and y.shape == (1, n)
     atol, rtol = TOL[dtype]
     torch.testing.assert_close(y.float(), F.linear(x.float(), w.float()), atol=atol, rtol=rtol)
 
 
 def test_explicit_configs_and_bad_shapes():
     g = torch.Generator().manual_seed(0)
-    x, w = torch.randn(2, 64, generator=g), torch.randn(48, 64, generator=g)
-    for cfg in [(16, 32, 4, 2), (32, 64, 4, 3)]:
-        torch.testing.assert_close(lin.skinny_linear(x, w, cfg), x @ w.t())
-        torch.testing.assert_close(lin.skinny_linear(x[:1], w, cfg), x[:1] @ w.t())
-    with pytest.raises(ValueError, match="unsupported shapes"):
-        lin.skinny_linear(x, w, (16, 48, 4, 2))  # BLOCK_K does not divide K
-    with pytest.raises(ValueError, match="unsupported shapes"):
-        lin.skinny_linear(x, w.t().contiguous().t())  # weight not row-major
-    assert lin.skinny_config(1, 8, 24) is None  # no BLOCK_K >= 16 divides 24
-    assert lin.skinny_config(1, 32768, 4096)[1] == 256 and lin.skinny_config(4, 8, 4096)
+    x, w = torch.randn(1, 64, generator=g), torch.randn(48, 64, generator=g)
+    for cfg in [(16, 32, 4, 2), (32, 64, 4, 3), (4, 16, 1, 1)]:
+        torch.testing.assert_close(lin.gemv(x, w, cfg), x @ w.t())
+    for bad in [dict(config=(16, 48, 4, 2)),  # BLOCK_K does not divide K
+                dict(w=w.t().contiguous().t()),  # weight not row-major
+                dict(x=torch.randn(2, 64))]:  # two rows
+        with pytest.raises(ValueError, match="unsupported shapes"):
+            lin.gemv(**{"x": x, "w": w, **bad})
+    assert lin.gemv_config(8, 24) is None  # no BLOCK_K >= 16 divides 24
+    assert lin.gemv_config(32768, 4096)[:2] == (32, 256)
+    assert lin.gemv_config(4096, 12288)[:2] == (8, 512)
 
 
 def test_dispatch(monkeypatch):
     calls = []
-    real = lin.skinny_linear
-    monkeypatch.setattr(lin, "skinny_linear", lambda x, w, c=None: calls.append(x.shape)
-                        or real(x, w, c))
+    real = lin.gemv
+    monkeypatch.setattr(lin, "gemv", lambda x, w, c=None: calls.append(x.shape) or real(x, w, c))
     w, b = torch.randn(32, 64), torch.randn(32)
-    x3 = torch.randn(2, 3, 64)
-    # torch backend, too many rows, a bias: F.linear; otherwise the kernel, any leading shape.
+    x3 = torch.randn(1, 1, 64)
+    # torch backend, two rows, a bias: F.linear; otherwise the kernel, any leading shape.
     lin.linear(x3, w, None, "torch")
-    lin.linear(torch.randn(lin.SKINNY_MAX_M + 1, 64), w, None, "triton")
+    lin.linear(torch.randn(2, 64), w, None, "triton")
     lin.linear(x3, w, b, "triton")
     assert calls == []
     y = lin.linear(x3, w, None, "triton")
-    assert calls == [(6, 64)] and y.shape == (2, 3, 32)
+    assert calls == [(1, 64)] and y.shape == (1, 1, 32)
     torch.testing.assert_close(y, F.linear(x3, w))
-    strided = torch.randn(4, 128)[:, ::2]  # rows not contiguous: copied first
+    strided = torch.randn(1, 128)[:, ::2]  # not contiguous: copied first
     torch.testing.assert_close(lin.linear(strided, w, None, "triton"), F.linear(strided, w))
     layer = lin.Linear(64, 32, bias=False)
     layer(x3[0])
@@ -82,26 +79,21 @@ def test_config_and_engine_backend(qwen3_path):
                if isinstance(m, lin.Linear))
 
 
-def test_engine_outputs_with_triton_matmuls(qwen3_path, drafter16, monkeypatch):
-    """Greedy output with the Triton matmuls equals the cuBLAS/torch path's, and DFlash greedy
-    with them equals plain greedy (the kernels really run: counted)."""
+def test_engine_outputs_with_triton_gemv(qwen3_path, drafter16, monkeypatch):
+    """Greedy output with the GEMV equals the torch path's, for plain and DFlash decoding (the
+    kernel really runs: counted)."""
     calls = []
-    real = lin.skinny_linear
-    monkeypatch.setattr(lin, "skinny_linear", lambda x, w, c=None: calls.append(x.shape[0])
-                        or real(x, w, c))
-    prompts = random_prompts([5, 9], seed=3)
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
-    plain = cpu_llm(qwen3_path)
-    ref = [o.token_ids for o in plain.generate(prompts, params)]
+    real = lin.gemv
+    monkeypatch.setattr(lin, "gemv", lambda x, w, c=None: calls.append(w.shape) or real(x, w, c))
+    prompts = random_prompts([7], seed=3)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    ref = [o.token_ids for o in cpu_llm(qwen3_path).generate(prompts, params)]
     assert calls == []
     ar = cpu_llm(qwen3_path, linear_backend="triton")
-    assert [o.token_ids for o in ar.generate(prompts, params)] == ref and 2 in calls
-    one = [o.token_ids for o in ar.generate(prompts[:1], params)]  # batch 1: the GEMV kernel
-    assert one == [o.token_ids for o in plain.generate(prompts[:1], params)] and 1 in calls
+    assert [o.token_ids for o in ar.generate(prompts, params)] == ref
+    n_layers = ar.engine.model_config.num_hidden_layers
+    assert len(calls) >= 11 * (4 * n_layers + 1)  # every decode step's matmuls
     calls.clear()
     sp = cpu_llm(qwen3_path, drafter16, linear_backend="triton", speculation_policy="fixed",
                  block_size=16)
-    assert [o.token_ids for o in sp.generate(prompts, params)] == ref
-    calls.clear()
-    assert [o.token_ids for o in sp.generate(prompts[:1], params)] == one
-    assert 16 in calls and 15 in calls  # one sequence's speculative step: 16 rows, 15 drafts
+    assert [o.token_ids for o in sp.generate(prompts, params)] == ref and calls
