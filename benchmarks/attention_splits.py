@@ -4,8 +4,10 @@ Times the Triton backend's `attend` (attention + split merge) for one step's 36 
 own KV cache, as in the Qwen3-8B-shape model: 32 query heads, 8 KV heads, head_dim 128, bf16,
 KV block 16) captured in one CUDA graph, at batch 1 for the query shapes of the engine's small
 steps: a decode token (q=1, causal), a verify block (q=16, causal) and the drafter's block (q=16,
-non-causal), over contexts 640 / 2048 / 8192, for every split count and key tile here, and for
-the backend's own heuristic (`choose_num_splits`) at the graphs' max_seq_len (max_model_len).
+non-causal), over contexts 640 / 2048 / 8192, for every split count and key tile here (splits
+as forced, down to one key tile each), and for the backend's own choice (`choose_num_splits`,
+each split at least `min_split_keys` keys of the real context) at the graphs' max_seq_len
+(--max-model-len) and at 40960 (Qwen3-8B's).
 
 Usage: python benchmarks/attention_splits.py --out FILE.json [--max-model-len 1024]
 """
@@ -28,6 +30,7 @@ from blockspec.layers.triton_attention import (  # noqa: E402
     TritonAttentionBackend,
     _num_sms,
     choose_num_splits,
+    min_split_keys,
 )
 
 LAYERS, HQ, HKV, D, BS = 36, 32, 8, 128, 16
@@ -73,17 +76,26 @@ def main() -> int:
                                 (16, False, "draft")):
             meta = metadata(ctx, q, causal, max(args.max_model_len, ctx), dev)
             x = torch.randn(q, HQ, D, device=dev, dtype=torch.bfloat16)
-            heuristic = choose_num_splits(HKV, q, meta.max_seq_len, _num_sms(dev))
+            heuristic = choose_num_splits(HKV, q, meta.max_seq_len, _num_sms(dev),
+                                          min_split_keys(16 if q == 1 else 64))
             row = {"context": ctx, "query": name, "heuristic_splits": heuristic, "ms": {}}
             for block_n in (32, 64):
                 for splits in (1, 2, 4, 8, 16, 32):
-                    be = TritonAttentionBackend(block_n=block_n, num_splits=splits)
+                    be = TritonAttentionBackend(block_n=block_n, num_splits=splits,
+                                                split_keys=block_n)
                     row["ms"][f"n{block_n}_s{splits}"] = time_attend(be, x, caches, meta)
             row["heuristic_ms"] = time_attend(TritonAttentionBackend(), x, caches, meta)
+            # A deployment's graphs see max_model_len (Qwen3-8B: 40960), not the context.
+            long = metadata(ctx, q, causal, 40960, dev)
+            row["heuristic_40960_splits"] = choose_num_splits(
+                HKV, q, 40960, _num_sms(dev), min_split_keys(16 if q == 1 else 64))
+            row["heuristic_40960_ms"] = time_attend(TritonAttentionBackend(), x, caches, long)
             best = min(row["ms"], key=row["ms"].get)
             row["best"], row["best_ms"] = best, row["ms"][best]
             print(f"ctx {ctx:5d} {name:6s}: heuristic ({heuristic} splits) "
-                  f"{row['heuristic_ms']:.3f} ms, best {best} {row['best_ms']:.3f} ms; "
+                  f"{row['heuristic_ms']:.3f} ms, at max_model_len 40960 "
+                  f"({row['heuristic_40960_splits']}) {row['heuristic_40960_ms']:.3f} ms, "
+                  f"best {best} {row['best_ms']:.3f} ms; "
                   + " ".join(f"{k}:{v:.3f}" for k, v in row["ms"].items()), flush=True)
             res["cases"].append(row)
     Path(args.out).write_text(json.dumps(res, indent=2) + "\n")

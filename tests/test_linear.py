@@ -30,6 +30,21 @@ def test_gemv_matches_f_linear(dtype, n):
     torch.testing.assert_close(y.float(), F.linear(x.float(), w.float()), atol=atol, rtol=rtol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [2, 15, 16])
+def test_skinny_matches_f_linear(dtype, m):
+    if DEVICE == "cuda" and dtype == torch.float32:
+        pytest.skip("fp32 tl.dot runs in tf32 on GPU; the engine sends only bf16/fp16 there")
+    g = torch.Generator().manual_seed(m)
+    n, k = lin.SKINNY_MIN_N, 96
+    x = torch.randn(m, k, generator=g).to(DEVICE, dtype)
+    w = (torch.randn(n, k, generator=g) / k**0.5).to(DEVICE, dtype)
+    y = lin.skinny(x, w)
+    assert y.dtype == dtype and y.shape == (m, n)
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(y.float(), F.linear(x.float(), w.float()), atol=atol, rtol=rtol)
+
+
 def test_explicit_configs_and_bad_shapes():
     g = torch.Generator().manual_seed(0)
     x, w = torch.randn(1, 64, generator=g), torch.randn(48, 64, generator=g)
@@ -40,14 +55,22 @@ def test_explicit_configs_and_bad_shapes():
                 dict(x=torch.randn(2, 64))]:  # two rows
         with pytest.raises(ValueError, match="unsupported shapes"):
             lin.gemv(**{"x": x, "w": w, **bad})
+    x3 = torch.randn(3, 64, generator=g)
+    torch.testing.assert_close(lin.skinny(x3, w, (16, 32, 4, 2)), x3 @ w.t())
+    with pytest.raises(ValueError, match="unsupported shapes"):
+        lin.skinny(torch.randn(17, 64), w, (16, 32, 4, 2))  # more rows than a tile
     assert lin.gemv_config(8, 24) is None  # no BLOCK_K >= 16 divides 24
+    # the tl.dot kernel only where it beat cuBLAS: 2..16 rows, wide weights
+    assert lin.skinny_config(16, 24576, 4096) == (64, 128, 4, 4)
+    assert lin.skinny_config(16, 12288, 4096) is None and lin.skinny_config(1, 24576, 64) is None
+    assert lin.skinny_config(17, 24576, 4096) is None
     assert lin.gemv_config(32768, 4096)[:2] == (32, 256)
     assert lin.gemv_config(4096, 12288)[:2] == (8, 512)
 
 
 def test_dispatch(monkeypatch):
     calls = []
-    real = lin.gemv
+    real, real_skinny = lin.gemv, lin.skinny
     monkeypatch.setattr(lin, "gemv", lambda x, w, c=None: calls.append(x.shape) or real(x, w, c))
     w, b = torch.randn(32, 64), torch.randn(32)
     x3 = torch.randn(1, 1, 64)
@@ -67,6 +90,16 @@ def test_dispatch(monkeypatch):
     layer.backend = "triton"
     layer(x3[0])
     assert len(calls) == 3
+    # 2..16 rows: the tl.dot kernel for a wide weight only
+    wide = torch.randn(lin.SKINNY_MIN_N, 64) / 8
+    monkeypatch.setattr(lin, "skinny", lambda x, w, c=None: calls.append(("dot", x.shape[0]))
+                        or real_skinny(x, w, c))
+    x4 = torch.randn(2, 2, 64)
+    torch.testing.assert_close(lin.linear(x4, wide, None, "triton"), F.linear(x4, wide),
+                               atol=1e-5, rtol=1e-5)
+    lin.linear(x4, w, None, "triton")  # narrow: F.linear
+    lin.linear(torch.randn(17, 64), wide, None, "triton")  # too many rows: F.linear
+    assert calls[3:] == [("dot", 4)]
 
 
 def test_config_and_engine_backend(qwen3_path):
@@ -79,12 +112,15 @@ def test_config_and_engine_backend(qwen3_path):
                if isinstance(m, lin.Linear))
 
 
-def test_engine_outputs_with_triton_gemv(qwen3_path, drafter16, monkeypatch):
-    """Greedy output with the GEMV equals the torch path's, for plain and DFlash decoding (the
-    kernel really runs: counted)."""
+def test_engine_outputs_with_triton_matmuls(qwen3_path, drafter16, monkeypatch):
+    """Greedy output with the Triton matmuls equals the torch path's, for plain and DFlash
+    decoding (the kernels really run: counted; the tiny model's weights are all narrow, so the
+    tl.dot kernel is opened to every width here)."""
     calls = []
-    real = lin.gemv
-    monkeypatch.setattr(lin, "gemv", lambda x, w, c=None: calls.append(w.shape) or real(x, w, c))
+    real, real_skinny = lin.gemv, lin.skinny
+    monkeypatch.setattr(lin, "gemv", lambda x, w, c=None: calls.append(1) or real(x, w, c))
+    monkeypatch.setattr(lin, "skinny", lambda x, w, c=None: calls.append(x.shape[0])
+                        or real_skinny(x, w, c))
     prompts = random_prompts([7], seed=3)
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     ref = [o.token_ids for o in cpu_llm(qwen3_path).generate(prompts, params)]
@@ -92,8 +128,10 @@ def test_engine_outputs_with_triton_gemv(qwen3_path, drafter16, monkeypatch):
     ar = cpu_llm(qwen3_path, linear_backend="triton")
     assert [o.token_ids for o in ar.generate(prompts, params)] == ref
     n_layers = ar.engine.model_config.num_hidden_layers
-    assert len(calls) >= 11 * (4 * n_layers + 1)  # every decode step's matmuls
+    assert calls.count(1) >= 11 * (4 * n_layers + 1)  # every decode step's matmuls
     calls.clear()
+    monkeypatch.setattr(lin, "SKINNY_MIN_N", 1)
     sp = cpu_llm(qwen3_path, drafter16, linear_backend="triton", speculation_policy="fixed",
                  block_size=16)
-    assert [o.token_ids for o in sp.generate(prompts, params)] == ref and calls
+    assert [o.token_ids for o in sp.generate(prompts, params)] == ref
+    assert 16 in calls and 15 in calls  # a speculative step: 16 verify rows, 15 drafts

@@ -120,6 +120,38 @@ def test_split_kv(splits, causal):
     check(backend, *make_case(q_lens, seq_lens, 8, 2, 64, causal=causal, seed=4))
 
 
+class _NanEmpty:
+    """`torch` for the backend module, except that `empty` fills floats with NaN: a partial
+    result the merge reads but no split wrote shows up."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def empty(*args, **kw):
+        t = torch.empty(*args, **kw)
+        return t.fill_(float("nan")) if t.is_floating_point() else t
+
+
+@needs_triton
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("splits,split_keys", [(32, 16), (32, None), (8, 64)])
+def test_split_kv_skips_splits_past_the_context(monkeypatch, splits, split_keys, causal):
+    """A launch with more splits than a short context fills (graphs size it from max_seq_len):
+    each split gets >= split_keys keys, the rest write nothing, the merge reads only those."""
+    monkeypatch.setattr(ta, "torch", _NanEmpty())
+    backend = TritonAttentionBackend(block_n=16, num_splits=splits, split_keys=split_keys)
+    q_lens, seq_lens = [1, 16, 3, 1, 2], [300, 150, 5, 64, 97]
+    check(backend, *make_case(q_lens, seq_lens, 8, 2, 64, causal=causal, seed=5))
+
+
+def test_min_split_keys_by_rows():
+    assert ta.min_split_keys(16) == ta.MIN_KEYS_PER_SPLIT_DECODE < ta.min_split_keys(64)
+    # A 16-token verify at max_model_len 40960 may launch 32 splits; a decode token too.
+    assert choose_num_splits(8, 16, 40960, 132, ta.min_split_keys(64)) == 32
+    assert choose_num_splits(8, 1, 1024, 132, ta.min_split_keys(16)) == 16
+
+
 @needs_triton
 def test_split_kv_half_precision():
     backend = TritonAttentionBackend(num_splits=4)

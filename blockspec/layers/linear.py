@@ -1,18 +1,19 @@
-"""Linear layers with a Triton GEMV for one-row inputs: the matmuls of a batch-1 decode step.
+"""Linear layers with Triton kernels for the skinny matmuls of small decode steps.
 
 A decode step at batch 1 does little but stream weights, so its matmuls should read them at copy
 bandwidth. cuBLAS does not at M = 1: on one H200 it reads Qwen3-8B's o_proj at 60% of copy
 bandwidth, qkv_proj at 73%, down_proj at 78% (split-K plus a reduce kernel), where one program per
-tile of output features, streaming its rows of the weight once, reaches 73%, 83% and 89%
-(benchmarks/results/fast_path_ceiling_2026-11-30_run2/, its linear_sweep). At 16 rows (one
-sequence's speculative step) a tl.dot version of the same idea measured no better than cuBLAS
-(4.43 vs 4.35 ms for every projection once), so only M = 1 is routed here.
+tile of output features, streaming its rows of the weight once (`gemv`), reaches 73%, 83% and 89%
+(benchmarks/results/fast_path_ceiling_2026-11-30_run2/, its linear_sweep). At 2-16 rows (16: one
+sequence's speculative step) a tl.dot version (`skinny`) beat cuBLAS only on the wide weights
+(gate_up 1.78 vs 1.83 ms for 36 layers, lm_head 0.295 vs 0.311 ms) and lost on the others, so
+only N >= 16384 goes there.
 
-`linear(x, w, b, backend)`: with backend "triton", one-row bf16/fp16 inputs without bias (any
-float under the interpreter) go through `gemv`; everything else, and backend "torch", is
-`F.linear`. Accumulation is fp32 and the result rounds once to the input dtype, like cuBLAS; only
-the summation order differs. The kernel never syncs with the host and its grid depends only on
-shapes, so it is safe inside CUDA graphs.
+`linear(x, w, b, backend)`: with backend "triton", bf16/fp16 inputs without bias (any float under
+the interpreter) that fit those rules go through the kernels; everything else, and backend
+"torch", is `F.linear`. Accumulation is fp32 and the result rounds once to the input dtype, like
+cuBLAS; only the summation order differs. The kernels never sync with the host and their grids
+depend only on shapes, so they are safe inside CUDA graphs.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from blockspec.layers.fused import _cast, _jit, tl, triton
+
+SKINNY_MAX_M = 16  # one sequence's speculative step (block 16)
+SKINNY_MIN_N = 16384
 
 
 @_jit
@@ -43,6 +47,28 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.c
     tl.store(y_ptr + rows, _cast(y, y_ptr.dtype.element_ty), mask=rmask)
 
 
+@_jit
+def _skinny_kernel(x_ptr, w_ptr, y_ptr, M, N, K, x_stride, y_stride, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+    # y[m, n] = sum_k x[m, k] w[n, k] for all M (<= BLOCK_M) rows at once: each weight tile is
+    # read once whatever M is. Rows past M are masked (tensor-core tiles need 16 rows).
+    rows_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_m = tl.arange(0, BLOCK_M)
+    nmask, mmask = rows_n < N, rows_m < M
+    w_base = w_ptr + rows_n[:, None].to(tl.int64) * K
+    x_base = x_ptr + rows_m[:, None].to(tl.int64) * x_stride
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(x_base + cols[None, :], mask=mmask[:, None], other=0.0)
+        w = tl.load(w_base + cols[None, :], mask=nmask[:, None], other=0.0)
+        if UPCAST:  # the interpreter multiplies 16-bit floats in tl.dot wrongly (CPU tests)
+            x, w = x.to(tl.float32), w.to(tl.float32)
+        acc = tl.dot(x, tl.trans(w), acc)
+    dst = y_ptr + rows_m[:, None].to(tl.int64) * y_stride + rows_n[None, :]
+    tl.store(dst, _cast(acc, y_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
+
+
 def gemv_config(n: int, k: int) -> tuple[int, int, int, int] | None:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) for w [n, k], the best measured on one H200
     per Qwen3-8B projection; BLOCK_K is halved until it divides k, None when that falls below
@@ -51,6 +77,35 @@ def gemv_config(n: int, k: int) -> tuple[int, int, int, int] | None:
     while k % bk:
         bk //= 2
     return (bn, bk, warps, stages) if bk >= 16 else None
+
+
+def skinny_config(m: int, n: int, k: int) -> tuple[int, int, int, int] | None:
+    """The tl.dot kernel's config for 2..SKINNY_MAX_M rows, or None where cuBLAS measured as
+    fast or faster (N < 16384: qkv, o and down projections) or no BLOCK_K >= 16 divides k."""
+    if not 2 <= m <= SKINNY_MAX_M or n < SKINNY_MIN_N:
+        return None
+    bk = 128
+    while k % bk:
+        bk //= 2
+    return (64, bk, 4, 4) if bk >= 16 else None
+
+
+def skinny(x: torch.Tensor, w: torch.Tensor,
+           config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
+    """x [M, K] (rows contiguous, M <= 16) @ w [N, K]^T -> [M, N] in x's dtype."""
+    m, k = x.shape
+    n = w.shape[0]
+    cfg = config or skinny_config(m, n, k)
+    if cfg is None or m > SKINNY_MAX_M or w.shape[1] != k or not w.is_contiguous() \
+            or x.stride(1) != 1 or k % cfg[1]:
+        raise ValueError(f"skinny: unsupported shapes x {tuple(x.shape)}, w {tuple(w.shape)} "
+                         f"(config {cfg})")
+    bn, bk, warps, stages = cfg
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    _skinny_kernel[(triton.cdiv(n, bn),)](
+        x, w, y, m, n, k, x.stride(0), y.stride(0), BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk,
+        UPCAST=not x.is_cuda, num_warps=warps, num_stages=stages, enable_fp_fusion=False)
+    return y
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor,
@@ -70,11 +125,22 @@ def gemv(x: torch.Tensor, w: torch.Tensor,
     return y
 
 
-def _use_gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> bool:
-    if b is not None or triton is None or x.numel() != x.shape[-1] or x.numel() == 0:
-        return False
-    if not w.is_contiguous() or gemv_config(w.shape[0], x.shape[-1]) is None:
-        return False
+def _kernel_for(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None):
+    """`gemv`, `skinny` or None (F.linear) for this input."""
+    if b is not None or triton is None or x.numel() == 0 or not w.is_contiguous():
+        return None
+    k = x.shape[-1]
+    m = x.numel() // k
+    if m == 1 and gemv_config(w.shape[0], k) is not None:
+        kernel = gemv
+    elif skinny_config(m, w.shape[0], k) is not None:
+        kernel = skinny
+    else:
+        return None
+    return kernel if _triton_ok(x, w) else None
+
+
+def _triton_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
     if x.is_cuda:
         return x.dtype in (torch.bfloat16, torch.float16) and w.dtype == x.dtype
     return os.environ.get("TRITON_INTERPRET") == "1"  # CPU: tests, in the interpreter
@@ -82,10 +148,12 @@ def _use_gemv(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> bool:
 
 def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None = None,
            backend: str = "torch") -> torch.Tensor:
-    """`F.linear(x, w, b)`; with backend "triton", a one-row input goes through `gemv`."""
-    if backend == "triton" and _use_gemv(x, w, b):
-        return gemv(x.reshape(1, -1).contiguous(), w).view(*x.shape[:-1], w.shape[0])
-    return F.linear(x, w, b)
+    """`F.linear(x, w, b)`; with backend "triton", one-row inputs go through `gemv` and inputs
+    of up to 16 rows with a wide weight (gate_up, lm_head) through `skinny`."""
+    kernel = _kernel_for(x, w, b) if backend == "triton" else None
+    if kernel is None:
+        return F.linear(x, w, b)
+    return kernel(x.reshape(-1, x.shape[-1]).contiguous(), w).view(*x.shape[:-1], w.shape[0])
 
 
 class Linear(nn.Linear):

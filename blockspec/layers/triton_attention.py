@@ -25,7 +25,11 @@ from blockspec.layers.attention import AttentionMetadata
 
 _LOG2E = 1.4426950408889634
 SPLIT_MAX_QUERY_LEN = 16  # split-KV only for decode / verify / drafter-sized queries
-MIN_KEYS_PER_SPLIT = 256  # below this a split's fixed cost outweighs the parallelism it adds
+# Keys per split below which a split's fixed cost (its partial output, the merge) outweighs the
+# parallelism it adds: 64 for a decode token's rows, 256 for a 16-token block's (one H200,
+# benchmarks/results/attention_splits_2026-11-30*.json).
+MIN_KEYS_PER_SPLIT = 256
+MIN_KEYS_PER_SPLIT_DECODE = 64
 MAX_SPLITS = 32
 _DOT_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
@@ -63,6 +67,20 @@ def _query_rows(q_tile, kv_head, q_len, GROUP: tl.constexpr, BLOCK_Q: tl.constex
 
 
 @triton.jit
+def _split_range(seq_len, q_len, q_tile, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+                 CAUSAL: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr):
+    """(keys a query tile attends to, keys per split): whole BLOCK_N tiles per split, and at
+    least MIN_CHUNK keys, so a short context uses fewer splits than the launch has (graphs fix
+    NUM_SPLITS from max_seq_len; the context is what it is)."""
+    kv_end = seq_len
+    if CAUSAL:  # keys past the tile's last token are masked for every row: skip them
+        kv_end = tl.minimum(seq_len, seq_len - q_len + tl.minimum((q_tile + 1) * BLOCK_Q, q_len))
+    # NOTE: cdiv spelled out: tl.cdiv fails under triton 3.6's interpreter.
+    chunk = ((kv_end + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    return kv_end, tl.maximum(chunk, MIN_CHUNK)
+
+
+@triton.jit
 def _attn_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr,
                  cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr, qk_scale,
                  stride_qt, stride_qh, stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
@@ -70,7 +88,7 @@ def _attn_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr,
                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                  BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                 DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                 MIN_CHUNK: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     seq, q_tile = tl.program_id(0), tl.program_id(1)
     kv_head, split = tl.program_id(2) // NUM_SPLITS, tl.program_id(2) % NUM_SPLITS
     q_start = tl.load(cu_seqlens_q_ptr + seq)
@@ -87,13 +105,13 @@ def _attn_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr,
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(DOT_DTYPE)
     q_pos = seq_len - q_len + tok  # absolute position of each row's token
 
-    kv_end = seq_len
-    if CAUSAL:  # keys past the tile's last token are masked for every row: skip them
-        kv_end = tl.minimum(seq_len, seq_len - q_len + tl.minimum((q_tile + 1) * BLOCK_Q, q_len))
-    # Whole BLOCK_N tiles per split, so only the final tile of the range is partial.
-    # NOTE: cdiv spelled out: tl.cdiv fails under triton 3.6's interpreter.
-    chunk = ((kv_end + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    kv_end, chunk = _split_range(seq_len, q_len, q_tile, BLOCK_Q, BLOCK_N, CAUSAL, NUM_SPLITS,
+                                 MIN_CHUNK)
     lo = split * chunk
+    # NOTE: a split past the keys writes nothing; the merge reads only the splits that got keys
+    # (split 0 always runs, so a sequence without keys still writes its zero rows).
+    if split > 0 and lo >= kv_end:
+        return
     hi = tl.minimum(lo + chunk, kv_end)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -138,30 +156,37 @@ def _attn_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr,
 
 
 @triton.jit
-def _merge_kernel(part_ptr, lse_ptr, out_ptr, cu_seqlens_q_ptr,
+def _merge_kernel(part_ptr, lse_ptr, out_ptr, cu_seqlens_q_ptr, seq_lens_ptr,
                   stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, stride_ot, stride_oh,
-                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
-                  BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, NUM_SPLITS: tl.constexpr):
-    # NOTE: same grid and row mapping as _attn_kernel, so exactly the rows it wrote are merged.
-    seq, q_tile, kv_head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_BLOCK: tl.constexpr,
+                  BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  CAUSAL: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr):
+    # NOTE: _attn_kernel's grid and row mapping, each (seq, tile, kv head) cut into D_BLOCK-wide
+    # column slices for parallelism; it reads only the splits that got keys (_split_range).
+    seq, q_tile = tl.program_id(0), tl.program_id(1)
+    d_slices: tl.constexpr = (HEAD_DIM + D_BLOCK - 1) // D_BLOCK
+    kv_head, d_slice = tl.program_id(2) // d_slices, tl.program_id(2) % d_slices
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
     if q_tile * BLOCK_Q >= q_len:
         return
+    kv_end, chunk = _split_range(tl.load(seq_lens_ptr + seq), q_len, q_tile, BLOCK_Q, BLOCK_N,
+                                 CAUSAL, NUM_SPLITS, MIN_CHUNK)
+    num_active = tl.maximum((kv_end + chunk - 1) // chunk, 1)
     tok, head, row_ok = _query_rows(q_tile, kv_head, q_len, GROUP, BLOCK_Q, BLOCK_M)
     row = (q_start + tok).to(tl.int64)
-    d = tl.arange(0, D_PAD)
+    d = d_slice * D_BLOCK + tl.arange(0, D_BLOCK)
     mask = row_ok[:, None] & (d < HEAD_DIM)[None, :]
     lse_ptrs = lse_ptr + row * stride_lt + head * stride_lh
     part_ptrs = part_ptr + row[:, None] * stride_pt + head[:, None] * stride_ph + d[None, :]
 
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    for s in tl.static_range(NUM_SPLITS):
+    for s in range(0, num_active):
         m = tl.maximum(m, tl.load(lse_ptrs + s, mask=row_ok, other=float("-inf")))
     m = tl.where(m == float("-inf"), 0.0, m)
     denom = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
-    for s in tl.static_range(NUM_SPLITS):
+    acc = tl.zeros([BLOCK_M, D_BLOCK], tl.float32)
+    for s in range(0, num_active):
         w = tl.exp2(tl.load(lse_ptrs + s, mask=row_ok, other=float("-inf")) - m)
         denom += w
         acc += w[:, None] * tl.load(part_ptrs + s * stride_ps, mask=mask, other=0.0)
@@ -177,14 +202,19 @@ def _num_sms(device: torch.device) -> int:
     return 132  # an H200's count: CPU (interpreter) runs then pick what the GPU would
 
 
+def min_split_keys(block_m: int) -> int:
+    return MIN_KEYS_PER_SPLIT_DECODE if block_m <= 16 else MIN_KEYS_PER_SPLIT
+
+
 def choose_num_splits(num_programs: int, max_query_len: int, max_seq_len: int,
-                      num_sms: int) -> int:
-    """How many ways to split the key range: a pure function of shapes and metadata ints, so a
-    CUDA-graph bucket (fixed num_seqs / max_query_len / max_seq_len) always gets the same one."""
+                      num_sms: int, min_keys: int = MIN_KEYS_PER_SPLIT) -> int:
+    """How many ways to split the key range at most: a pure function of shapes and metadata
+    ints, so a CUDA-graph bucket (fixed num_seqs / max_query_len / max_seq_len) always gets the
+    same one. NOTE: max_seq_len is the bucket's (max_model_len), not the context: the kernels
+    give each split >= `min_keys` keys of the real context, so a short one uses fewer."""
     if max_query_len > SPLIT_MAX_QUERY_LEN or num_programs >= num_sms:
         return 1
-    want = min(triton.cdiv(2 * num_sms, num_programs), max_seq_len // MIN_KEYS_PER_SPLIT,
-               MAX_SPLITS)
+    want = min(triton.cdiv(2 * num_sms, num_programs), max_seq_len // min_keys, MAX_SPLITS)
     # Powers of two keep the number of compiled kernel variants small.
     return triton.next_power_of_2(want + 1) // 2 if want > 1 else 1
 
@@ -193,11 +223,13 @@ class TritonAttentionBackend:
     name = "triton"
 
     def __init__(self, max_block_m: int = 128, block_n: int = 64, num_splits: int | None = None,
-                 num_warps: int | None = None, num_stages: int | None = None) -> None:
+                 num_warps: int | None = None, num_stages: int | None = None,
+                 split_keys: int | None = None) -> None:
         """Tuning knobs: `max_block_m` caps the query rows per program, `block_n` is the key
-        tile; `num_splits`, `num_warps` and `num_stages` override the heuristics / defaults."""
+        tile; `num_splits`, `split_keys` (fewest keys per split), `num_warps` and `num_stages`
+        override the heuristics / defaults."""
         self.max_block_m, self.block_n, self.num_splits = max_block_m, block_n, num_splits
-        self.num_warps, self.num_stages = num_warps, num_stages
+        self.num_warps, self.num_stages, self.split_keys = num_warps, num_stages, split_keys
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -231,8 +263,9 @@ class TritonAttentionBackend:
         block_q = block_m // group
         num_q_tiles = triton.cdiv(max_q, block_q)
         num_programs = num_seqs * num_q_tiles * num_kv_heads
+        min_keys = self.split_keys or min_split_keys(block_m)
         splits = self.num_splits or choose_num_splits(num_programs, max_q, meta.max_seq_len,
-                                                       _num_sms(q.device))
+                                                       _num_sms(q.device), min_keys)
         d_pad = triton.next_power_of_2(max(head_dim, 16))
         # NOTE: 4 warps beat 8 on an H200 for decode, verify and 128-row prefill tiles alike.
         common = dict(GROUP=group, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_Q=block_q,
@@ -256,10 +289,15 @@ class TritonAttentionBackend:
             scale * _LOG2E, q.stride(0), q.stride(1), *dst_strides, lse.stride(0), lse.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
             BLOCK_SIZE=block_size, BLOCK_N=self.block_n, CAUSAL=meta.causal, NUM_SPLITS=splits,
-            DOT_DTYPE=dot_dtype, DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
+            MIN_CHUNK=min_keys if splits > 1 else 0, DOT_DTYPE=dot_dtype,
+            DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
             **({"num_stages": self.num_stages} if self.num_stages else {}), **common)
         if splits > 1:
-            _merge_kernel[(num_seqs, num_q_tiles, num_kv_heads)](
-                part, lse, out, meta.cu_seqlens_q, *part.stride()[:3], lse.stride(0),
-                lse.stride(1), out.stride(0), out.stride(1), NUM_SPLITS=splits, **common)
+            d_block = min(d_pad, 32)
+            _merge_kernel[(num_seqs, num_q_tiles, num_kv_heads * triton.cdiv(head_dim, d_block))](
+                part, lse, out, meta.cu_seqlens_q, meta.seq_lens, *part.stride()[:3],
+                lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), GROUP=group,
+                HEAD_DIM=head_dim, D_BLOCK=d_block, BLOCK_Q=block_q, BLOCK_M=block_m,
+                BLOCK_N=self.block_n, CAUSAL=meta.causal, NUM_SPLITS=splits, MIN_CHUNK=min_keys,
+                num_warps=self.num_warps or 4)
         return out
