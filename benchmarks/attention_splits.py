@@ -6,7 +6,7 @@ KV block 16) captured in one CUDA graph, at batch 1 for the query shapes of the 
 steps: a decode token (q=1, causal), a verify block (q=16, causal) and the drafter's block (q=16,
 non-causal), over contexts 640 / 2048 / 8192, for every split count and key tile here (splits
 as forced, down to one key tile each), and for the backend's own choice (`choose_num_splits`,
-each split at least `min_split_keys` keys of the real context) at the graphs' max_seq_len
+each split at least `split_limits` keys of the real context) at the graphs' max_seq_len
 (--max-model-len) and at 40960 (Qwen3-8B's).
 
 Usage: python benchmarks/attention_splits.py --out FILE.json [--max-model-len 1024]
@@ -30,7 +30,7 @@ from blockspec.layers.triton_attention import (  # noqa: E402
     TritonAttentionBackend,
     _num_sms,
     choose_num_splits,
-    min_split_keys,
+    split_limits,
 )
 
 LAYERS, HQ, HKV, D, BS = 36, 32, 8, 128, 16
@@ -77,7 +77,7 @@ def main() -> int:
             meta = metadata(ctx, q, causal, max(args.max_model_len, ctx), dev)
             x = torch.randn(q, HQ, D, device=dev, dtype=torch.bfloat16)
             heuristic = choose_num_splits(HKV, q, meta.max_seq_len, _num_sms(dev),
-                                          min_split_keys(16 if q == 1 else 64))
+                                          *split_limits(16 if q == 1 else 64))
             row = {"context": ctx, "query": name, "heuristic_splits": heuristic, "ms": {}}
             for block_n in (32, 64):
                 for splits in (1, 2, 4, 8, 16, 32):
@@ -88,7 +88,7 @@ def main() -> int:
             # A deployment's graphs see max_model_len (Qwen3-8B: 40960), not the context.
             long = metadata(ctx, q, causal, 40960, dev)
             row["heuristic_40960_splits"] = choose_num_splits(
-                HKV, q, 40960, _num_sms(dev), min_split_keys(16 if q == 1 else 64))
+                HKV, q, 40960, _num_sms(dev), *split_limits(16 if q == 1 else 64))
             row["heuristic_40960_ms"] = time_attend(TritonAttentionBackend(), x, caches, long)
             best = min(row["ms"], key=row["ms"].get)
             row["best"], row["best_ms"] = best, row["ms"][best]

@@ -145,11 +145,15 @@ def test_split_kv_skips_splits_past_the_context(monkeypatch, splits, split_keys,
     check(backend, *make_case(q_lens, seq_lens, 8, 2, 64, causal=causal, seed=5))
 
 
-def test_min_split_keys_by_rows():
-    assert ta.min_split_keys(16) == ta.MIN_KEYS_PER_SPLIT_DECODE < ta.min_split_keys(64)
-    # A 16-token verify at max_model_len 40960 may launch 32 splits; a decode token too.
-    assert choose_num_splits(8, 16, 40960, 132, ta.min_split_keys(64)) == 32
-    assert choose_num_splits(8, 1, 1024, 132, ta.min_split_keys(16)) == 16
+def test_split_limits_by_rows():
+    assert ta.split_limits(16) == (ta.MIN_KEYS_PER_SPLIT_DECODE, ta.MAX_SPLITS_DECODE)
+    assert ta.split_limits(64) == (ta.MIN_KEYS_PER_SPLIT_BLOCK, ta.MAX_SPLITS_BLOCK)
+    # Batch 1 (8 KV-head programs): a 16-token block at max_model_len 40960 launches 16 splits,
+    # a decode token 32; at max_model_len 1024, 8 and 16.
+    assert choose_num_splits(8, 16, 40960, 132, *ta.split_limits(64)) == 16
+    assert choose_num_splits(8, 1, 40960, 132, *ta.split_limits(16)) == 32
+    assert choose_num_splits(8, 16, 1024, 132, *ta.split_limits(64)) == 8
+    assert choose_num_splits(8, 1, 1024, 132, *ta.split_limits(16)) == 16
 
 
 @needs_triton

@@ -26,10 +26,12 @@ from blockspec.layers.attention import AttentionMetadata
 _LOG2E = 1.4426950408889634
 SPLIT_MAX_QUERY_LEN = 16  # split-KV only for decode / verify / drafter-sized queries
 # Keys per split below which a split's fixed cost (its partial output, the merge) outweighs the
-# parallelism it adds: 64 for a decode token's rows, 256 for a 16-token block's (one H200,
-# benchmarks/results/attention_splits_2026-11-30*.json).
-MIN_KEYS_PER_SPLIT = 256
-MIN_KEYS_PER_SPLIT_DECODE = 64
+# parallelism it adds, and the most splits worth launching: a decode token's rows (<= 16) gain
+# up to 32 splits of >= 64 keys, a 16-token block's up to 16 of >= 128 (one H200, contexts
+# 640-8192: benchmarks/results/attention_splits_2026-11-30*.json).
+MIN_KEYS_PER_SPLIT = 256  # choose_num_splits' default
+MIN_KEYS_PER_SPLIT_DECODE, MAX_SPLITS_DECODE = 64, 32
+MIN_KEYS_PER_SPLIT_BLOCK, MAX_SPLITS_BLOCK = 128, 16
 MAX_SPLITS = 32
 _DOT_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
@@ -180,16 +182,22 @@ def _merge_kernel(part_ptr, lse_ptr, out_ptr, cu_seqlens_q_ptr, seq_lens_ptr,
     lse_ptrs = lse_ptr + row * stride_lt + head * stride_lh
     part_ptrs = part_ptr + row[:, None] * stride_pt + head[:, None] * stride_ph + d[None, :]
 
+    # NOTE: unrolled over every split, reading only those that ran (masked loads move no
+    # bytes): a loop bounded by num_active would serialize the loads' latency.
+    zero = tl.zeros([BLOCK_M], tl.int32)  # NOTE: splits as row vectors: masks must be tensors
     m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    for s in range(0, num_active):
-        m = tl.maximum(m, tl.load(lse_ptrs + s, mask=row_ok, other=float("-inf")))
+    for s in tl.static_range(NUM_SPLITS):
+        ran = row_ok & (zero + s < num_active)
+        m = tl.maximum(m, tl.load(lse_ptrs + s, mask=ran, other=float("-inf")))
     m = tl.where(m == float("-inf"), 0.0, m)
     denom = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, D_BLOCK], tl.float32)
-    for s in range(0, num_active):
-        w = tl.exp2(tl.load(lse_ptrs + s, mask=row_ok, other=float("-inf")) - m)
+    for s in tl.static_range(NUM_SPLITS):
+        ran = row_ok & (zero + s < num_active)
+        w = tl.exp2(tl.load(lse_ptrs + s, mask=ran, other=float("-inf")) - m)
         denom += w
-        acc += w[:, None] * tl.load(part_ptrs + s * stride_ps, mask=mask, other=0.0)
+        acc += w[:, None] * tl.load(part_ptrs + s * stride_ps, mask=mask & ran[:, None],
+                                    other=0.0)
     out = acc / tl.where(denom == 0.0, 1.0, denom)[:, None]
     tl.store(out_ptr + row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=mask)
@@ -202,19 +210,23 @@ def _num_sms(device: torch.device) -> int:
     return 132  # an H200's count: CPU (interpreter) runs then pick what the GPU would
 
 
-def min_split_keys(block_m: int) -> int:
-    return MIN_KEYS_PER_SPLIT_DECODE if block_m <= 16 else MIN_KEYS_PER_SPLIT
+def split_limits(block_m: int) -> tuple[int, int]:
+    """(fewest keys per split, most splits) for programs of `block_m` query rows."""
+    if block_m <= 16:
+        return MIN_KEYS_PER_SPLIT_DECODE, MAX_SPLITS_DECODE
+    return MIN_KEYS_PER_SPLIT_BLOCK, MAX_SPLITS_BLOCK
 
 
 def choose_num_splits(num_programs: int, max_query_len: int, max_seq_len: int,
-                      num_sms: int, min_keys: int = MIN_KEYS_PER_SPLIT) -> int:
+                      num_sms: int, min_keys: int = MIN_KEYS_PER_SPLIT,
+                      max_splits: int = MAX_SPLITS) -> int:
     """How many ways to split the key range at most: a pure function of shapes and metadata
     ints, so a CUDA-graph bucket (fixed num_seqs / max_query_len / max_seq_len) always gets the
     same one. NOTE: max_seq_len is the bucket's (max_model_len), not the context: the kernels
     give each split >= `min_keys` keys of the real context, so a short one uses fewer."""
     if max_query_len > SPLIT_MAX_QUERY_LEN or num_programs >= num_sms:
         return 1
-    want = min(triton.cdiv(2 * num_sms, num_programs), max_seq_len // min_keys, MAX_SPLITS)
+    want = min(triton.cdiv(2 * num_sms, num_programs), max_seq_len // min_keys, max_splits)
     # Powers of two keep the number of compiled kernel variants small.
     return triton.next_power_of_2(want + 1) // 2 if want > 1 else 1
 
@@ -263,9 +275,10 @@ class TritonAttentionBackend:
         block_q = block_m // group
         num_q_tiles = triton.cdiv(max_q, block_q)
         num_programs = num_seqs * num_q_tiles * num_kv_heads
-        min_keys = self.split_keys or min_split_keys(block_m)
+        min_keys, max_splits = split_limits(block_m)
+        min_keys = self.split_keys or min_keys
         splits = self.num_splits or choose_num_splits(num_programs, max_q, meta.max_seq_len,
-                                                       _num_sms(q.device), min_keys)
+                                                       _num_sms(q.device), min_keys, max_splits)
         d_pad = triton.next_power_of_2(max(head_dim, 16))
         # NOTE: 4 warps beat 8 on an H200 for decode, verify and 128-row prefill tiles alike.
         common = dict(GROUP=group, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_Q=block_q,
@@ -293,7 +306,9 @@ class TritonAttentionBackend:
             DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
             **({"num_stages": self.num_stages} if self.num_stages else {}), **common)
         if splits > 1:
-            d_block = min(d_pad, 32)
+            # NOTE: a block's rows (64) merge in 32-column slices for more programs; a decode
+            # token's few rows whole (slicing them measured slower).
+            d_block = d_pad if block_m <= 16 else min(d_pad, 32)
             _merge_kernel[(num_seqs, num_q_tiles, num_kv_heads * triton.cdiv(head_dim, d_block))](
                 part, lse, out, meta.cu_seqlens_q, meta.seq_lens, *part.stride()[:3],
                 lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), GROUP=group,
