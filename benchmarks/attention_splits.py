@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
+from fast_path import git_commit  # noqa: E402
 from linear_sweep import graph_ms  # noqa: E402
 
 from blockspec.layers.attention import AttentionMetadata  # noqa: E402
@@ -66,7 +67,7 @@ def main() -> int:
                  "command": "python benchmarks/attention_splits.py " + " ".join(sys.argv[1:]),
                  "device": torch.cuda.get_device_name(), "torch": torch.__version__,
                  "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
-                     timespec="seconds"), "cases": []}
+                     timespec="seconds"), "commit": git_commit(), "cases": []}
     for ctx in (640, 2048, 8192):
         blocks = -(-ctx // BS)
         caches = [(torch.randn(blocks, BS, HKV, D, device=dev, dtype=torch.bfloat16),
