@@ -13,6 +13,7 @@ Usage: python benchmarks/gpu_checks.py [--out FILE]
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import sys
 import tempfile
@@ -135,7 +136,13 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="gpu_checks.json")
     args = ap.parse_args()
-    report: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    sys.path.insert(0, str(Path(__file__).parent))
+    from fast_path import git_commit
+
+    report: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                    "command": "python benchmarks/gpu_checks.py " + " ".join(sys.argv[1:]),
+                    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
+                        timespec="seconds"), "commit": git_commit()}
     ok = True
     for check in (check_attention, check_fused, check_linear):
         try:
