@@ -45,7 +45,7 @@ from fast_path import (  # noqa: E402
     run_generate,
     write_folders,
 )
-from linear_sweep import sweep  # noqa: E402
+from linear_sweep import graph_ms, sweep  # noqa: E402
 
 from blockspec.layers.linear import linear  # noqa: E402
 
@@ -83,53 +83,23 @@ def dflash_step_calls(model: nn.Module, drafter: nn.Module, b: int) -> list[Call
     return draft + target_calls(model, m, m) + drafter_context_calls(drafter, m)
 
 
-class GemmGraph:
-    """The given matmuls back to back, captured once; `ms()` is a replay's median time."""
-
-    def __init__(self, calls: list[Call], backend: str = "torch") -> None:
-        dev, dt = calls[0][0].device, calls[0][0].dtype
-        max_m = max(m for _, m in calls)
-        self.xs = {k: torch.randn(max_m, k, device=dev, dtype=dt)
-                   for k in {w.shape[1] for w, _ in calls}}
-        self.outs = {n: torch.empty(max_m, n, device=dev, dtype=dt)
-                     for n in {w.shape[0] for w, _ in calls}}
-        self.calls, self.backend = calls, backend
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            self._run()
-            self._run()
-        torch.cuda.current_stream().wait_stream(s)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self._run()
-
-    def _run(self) -> None:
-        for w, m in self.calls:
-            if self.backend == "torch":  # F.linear's cuBLAS call, into a static output
-                torch.mm(self.xs[w.shape[1]][:m], w.t(), out=self.outs[w.shape[0]][:m])
-            else:
-                linear(self.xs[w.shape[1]][:m], w, None, self.backend)
-
-    def ms(self, iters: int = 20) -> float:
-        for _ in range(3):
-            self.graph.replay()
-        times = []
-        for _ in range(iters):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            self.graph.replay()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        return float(np.median(times))
-
-
 def gemm_ms(calls: list[Call], backend: str = "torch") -> float:
-    g = GemmGraph(calls, backend)
-    t = g.ms()
-    del g
-    return t
+    """`calls` back to back as one CUDA graph (linear_sweep.graph_ms): a replay's median ms.
+    Inputs are static random tensors per K; with backend "torch" the outputs are too (F.linear's
+    cuBLAS call, `out=`), else `linear` with that backend."""
+    dev, dt = calls[0][0].device, calls[0][0].dtype
+    max_m = max(m for _, m in calls)
+    xs = {k: torch.randn(max_m, k, device=dev, dtype=dt) for k in {w.shape[1] for w, _ in calls}}
+    outs = {n: torch.empty(max_m, n, device=dev, dtype=dt) for n in {w.shape[0] for w, _ in calls}}
+
+    def run() -> None:
+        for w, m in calls:
+            if backend == "torch":
+                torch.mm(xs[w.shape[1]][:m], w.t(), out=outs[w.shape[0]][:m])
+            else:
+                linear(xs[w.shape[1]][:m], w, None, backend)
+
+    return graph_ms(run)
 
 
 def traced_run(llm, c: int, seed: int) -> tuple[dict, list[dict]]:

@@ -183,12 +183,13 @@ def test_padded_metadata_ints_give_same_result():
 
 
 def test_choose_num_splits():
-    assert choose_num_splits(8, 1, 8192, 132) == 32
-    assert choose_num_splits(64, 1, 4096, 132) == 4  # cdiv(264, 64) = 5 -> 4
-    assert choose_num_splits(64, 1, 600, 132) == 2  # capped by 256 keys per split
-    assert choose_num_splits(64, 1, 200, 132) == 1
-    assert choose_num_splits(200, 1, 8192, 132) == 1  # enough programs already
-    assert choose_num_splits(8, 40, 8192, 132) == 1  # prefill never splits
+    # 256 keys and 32 splits at most: the limits these cases were written for
+    assert choose_num_splits(8, 1, 8192, 132, 256, 32) == 32
+    assert choose_num_splits(64, 1, 4096, 132, 256, 32) == 4  # cdiv(264, 64) = 5 -> 4
+    assert choose_num_splits(64, 1, 600, 132, 256, 32) == 2  # capped by 256 keys per split
+    assert choose_num_splits(64, 1, 200, 132, 256, 32) == 1
+    assert choose_num_splits(200, 1, 8192, 132, 256, 32) == 1  # enough programs already
+    assert choose_num_splits(8, 40, 8192, 132, 256, 32) == 1  # prefill never splits
 
 
 @needs_triton

@@ -113,23 +113,20 @@ class LLMEngine:
         self.finish_seconds = 0.0  # the last step's time spent finishing requests (_commit)
 
     def _set_backends(self, drafter: torch.nn.Module | None) -> None:
-        name = self.config.attention_backend
-        if name == "auto":
-            name = "triton" if self.device.type == "cuda" else "torch"
-        backend = get_backend(name)
+        """The attention and linear backends ("auto": Triton on CUDA, torch on CPU) into every
+        PagedAttention and Linear of the target and the drafter, in one walk."""
+        auto = "triton" if self.device.type == "cuda" else "torch"
+        cfg = self.config
+        self.attention_backend = auto if cfg.attention_backend == "auto" \
+            else cfg.attention_backend
+        self.linear_backend = auto if cfg.linear_backend == "auto" else cfg.linear_backend
+        attention = get_backend(self.attention_backend)
         for model in (self.model, drafter):
             for m in model.modules() if model is not None else ():
                 if isinstance(m, PagedAttention):
-                    m.backend = backend
-        self.attention_backend = name
-        name = self.config.linear_backend
-        if name == "auto":
-            name = "triton" if self.device.type == "cuda" else "torch"
-        for model in (self.model, drafter):
-            for m in model.modules() if model is not None else ():
-                if isinstance(m, Linear):
-                    m.backend = name
-        self.linear_backend = name
+                    m.backend = attention
+                elif isinstance(m, Linear):
+                    m.backend = self.linear_backend
 
     # -- requests -------------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:

@@ -69,14 +69,19 @@ def _skinny_kernel(x_ptr, w_ptr, y_ptr, M, N, K, x_stride, y_stride, BLOCK_M: tl
     tl.store(dst, _cast(acc, y_ptr.dtype.element_ty), mask=mmask[:, None] & nmask[None, :])
 
 
-def gemv_config(n: int, k: int) -> tuple[int, int, int, int] | None:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for w [n, k], the best measured on one H200
-    per Qwen3-8B projection; BLOCK_K is halved until it divides k, None when that falls below
-    16 (the caller uses F.linear)."""
-    bn, bk, warps, stages = (32, 256, 8, 3) if n >= 16384 else (8, 512, 4, 3)
+def _fit_block_k(cfg: tuple[int, int, int, int], k: int) -> tuple[int, int, int, int] | None:
+    """`cfg` with BLOCK_K halved until it divides k; None when that falls below 16 (the caller
+    uses F.linear)."""
+    bn, bk, warps, stages = cfg
     while k % bk:
         bk //= 2
     return (bn, bk, warps, stages) if bk >= 16 else None
+
+
+def gemv_config(n: int, k: int) -> tuple[int, int, int, int] | None:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for w [n, k], the best measured on one H200
+    per Qwen3-8B projection (`_fit_block_k` to k)."""
+    return _fit_block_k((32, 256, 8, 3) if n >= 16384 else (8, 512, 4, 3), k)
 
 
 def skinny_config(m: int, n: int, k: int) -> tuple[int, int, int, int] | None:
@@ -84,10 +89,7 @@ def skinny_config(m: int, n: int, k: int) -> tuple[int, int, int, int] | None:
     fast or faster (N < 16384: qkv, o and down projections) or no BLOCK_K >= 16 divides k."""
     if not 2 <= m <= SKINNY_MAX_M or n < SKINNY_MIN_N:
         return None
-    bk = 128
-    while k % bk:
-        bk //= 2
-    return (64, bk, 4, 4) if bk >= 16 else None
+    return _fit_block_k((64, 128, 4, 4), k)
 
 
 def skinny(x: torch.Tensor, w: torch.Tensor,

@@ -29,10 +29,8 @@ SPLIT_MAX_QUERY_LEN = 16  # split-KV only for decode / verify / drafter-sized qu
 # parallelism it adds, and the most splits worth launching: a decode token's rows (<= 16) gain
 # up to 32 splits of >= 64 keys, a 16-token block's up to 16 of >= 128 (one H200, contexts
 # 640-8192: benchmarks/results/attention_splits_2026-11-30*.json).
-MIN_KEYS_PER_SPLIT = 256  # choose_num_splits' default
 MIN_KEYS_PER_SPLIT_DECODE, MAX_SPLITS_DECODE = 64, 32
 MIN_KEYS_PER_SPLIT_BLOCK, MAX_SPLITS_BLOCK = 128, 16
-MAX_SPLITS = 32
 _DOT_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
@@ -218,8 +216,7 @@ def split_limits(block_m: int) -> tuple[int, int]:
 
 
 def choose_num_splits(num_programs: int, max_query_len: int, max_seq_len: int,
-                      num_sms: int, min_keys: int = MIN_KEYS_PER_SPLIT,
-                      max_splits: int = MAX_SPLITS) -> int:
+                      num_sms: int, min_keys: int, max_splits: int) -> int:
     """How many ways to split the key range at most: a pure function of shapes and metadata
     ints, so a CUDA-graph bucket (fixed num_seqs / max_query_len / max_seq_len) always gets the
     same one. NOTE: max_seq_len is the bucket's (max_model_len), not the context: the kernels

@@ -37,7 +37,7 @@ class DraftAttention(nn.Module):
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(g.hidden_size, self.q_size + 2 * self.kv_size,
-                                  bias=g.attention_bias)
+                               bias=g.attention_bias)
         self.o_proj = Linear(self.q_size, g.hidden_size, bias=g.attention_bias)
         self.q_norm = RMSNorm(self.head_dim, g.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, g.rms_norm_eps)
