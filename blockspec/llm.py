@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from collections.abc import Sequence as Seq
 from typing import Any
@@ -41,27 +42,43 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} SamplingParams for {len(prompts)} prompts")
         engine = self.engine
-        ids: list[str] = []
+        ids: list[list[str]] = []  # per prompt: its samples' request ids
         try:
             for prompt, p in zip(prompts, params):
-                ids.append(engine.add_request(prompt, p, stream=False, output_kind="final_only"))
+                ids.append([engine.add_request(prompt, s, stream=False, output_kind="final_only")
+                            for s in p.samples()])
         except Exception:
-            for rid in ids:
-                engine.abort(rid)
+            self._abort(ids)
             raise
         results: dict[str, RequestOutput] = {}
         show = use_tqdm if use_tqdm is not None else len(prompts) > 4
         engine.closed_batch = True  # NOTE: nothing is added until these are done
         try:
-            with tqdm(total=len(prompts), desc="generate", unit="req", disable=not show) as bar:
+            with tqdm(total=sum(map(len, ids)), desc="generate", unit="req",
+                      disable=not show) as bar:
                 while engine.has_unfinished():
                     for out in engine.step():
                         if out.finished:
                             results[out.request_id] = out
                             bar.update(1)
+        except BaseException:
+            self._abort(ids)  # NOTE: the engine stays usable for the next call
+            raise
         finally:
             engine.closed_batch = False
-        return [results[rid] for rid in ids]
+        return [_parent([results[rid] for rid in rids]) for rids in ids]
+
+    def _abort(self, ids: list[list[str]]) -> None:
+        for rids in ids:
+            for rid in rids:
+                self.engine.abort(rid)
+
+
+def _parent(samples: list[RequestOutput]) -> RequestOutput:
+    """One output per prompt: the sample itself (n = 1) or the first with all n attached."""
+    if len(samples) == 1:
+        return samples[0]
+    return dataclasses.replace(samples[0], samples=samples)
 
 
 def _is_token(x: object) -> bool:

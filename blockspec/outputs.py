@@ -22,8 +22,10 @@ class RequestOutput:
     # Streaming: what this step added.
     delta_text: str = ""
     delta_token_ids: list[int] = field(default_factory=list)
+    # n > 1 (offline generate): every sample's output; this one's own fields are the first's.
+    samples: list[RequestOutput] | None = None
 
     @property
     def outputs(self) -> list[RequestOutput]:
-        """vLLM-style access (`out.outputs[0].text`); blockspec has one completion per request."""
-        return [self]
+        """vLLM-style access (`out.outputs[i].text`): the n samples of the prompt."""
+        return self.samples if self.samples is not None else [self]

@@ -344,7 +344,11 @@ def test_context_length_limit_finishes_with_length(qwen3_path):
     out = llm.generate([random_prompts([60], seed=14)[0]],
                        SamplingParams(temperature=0, max_tokens=None, ignore_eos=True))[0]
     assert len(out.token_ids) == 4 and out.finish_reason == "length"
+    # NOTE: more than the context leaves is refused (as vLLM does), not silently clamped
+    with pytest.raises(ConfigError, match="max_tokens must be at most 4"):
+        llm.generate([random_prompts([60], seed=14)[0]],
+                     SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))
     out = llm.generate([random_prompts([60], seed=14)[0]],
-                       SamplingParams(temperature=0, max_tokens=100, ignore_eos=True))[0]
+                       SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))[0]
     assert len(out.token_ids) == 4 and out.finish_reason == "length"
     assert_no_leaks(llm)

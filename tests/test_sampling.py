@@ -323,9 +323,10 @@ def reference_probs(logits: np.ndarray, temperature=1.0, top_k=-1, top_p=1.0, mi
 
 def draw(params: SamplingParams, n: int = N_DRAWS, seed: int = 0) -> np.ndarray:
     vocab = LOGITS.shape[0]
-    st = SamplingTensors.build([params] * n, [None] * n, vocab, torch.device("cpu"))
-    gen = torch.Generator().manual_seed(seed)
-    tokens = sample(LOGITS.expand(n, vocab).clone(), st, gen)
+    # NOTE: n requests' first tokens: seeds seed * n ... seed * n + n - 1, output position 0.
+    st = SamplingTensors.build([params] * n, list(range(seed * n, seed * n + n)), [0] * n, vocab,
+                               torch.device("cpu"))
+    tokens = sample(LOGITS.expand(n, vocab).clone(), st)
     return np.bincount(tokens.numpy(), minlength=vocab)
 
 
@@ -367,7 +368,7 @@ def test_sampler_matches_reference_distribution(kw):
     assert counts[probs == 0].sum() == 0, "sampled a token outside the truncated support"
     assert not chi2_rejects(counts, probs), (counts / N_DRAWS, probs)
     # target_probs (used by speculative verification too) agrees exactly with the reference.
-    st = SamplingTensors.build([SamplingParams(**kw)], [None], 8, torch.device("cpu"))
+    st = SamplingTensors.build([SamplingParams(**kw)], [0], [0], 8, torch.device("cpu"))
     np.testing.assert_allclose(target_probs(LOGITS[None], st)[0].numpy(), probs, atol=1e-6)
 
 
@@ -395,33 +396,38 @@ def test_chi_square_rejects_a_wrong_distribution(kw, wrong):
 def test_sampler_greedy_rows_and_mixed_batch():
     params = [SamplingParams(temperature=0), SamplingParams(temperature=1.0, top_k=2),
               SamplingParams(temperature=0, top_k=3)]
-    st = SamplingTensors.build(params, [None] * 3, 8, torch.device("cpu"))
     logits = LOGITS.expand(3, 8).clone()
     for seed in range(50):
-        tok = sample(logits, st, torch.Generator().manual_seed(seed)).tolist()
+        st = SamplingTensors.build(params, [seed] * 3, [0, 1, 2], 8, torch.device("cpu"))
+        tok = sample(logits, st).tolist()
         assert tok[0] == 2 and tok[2] == 2 and tok[1] in (2, 5)
 
 
-def test_seeded_row_independent_of_rest_of_batch():
+def test_a_rows_draw_is_a_function_of_its_seed_and_position_only():
+    """The same (seed, position) draws the same token whatever else the batch holds; another
+    position or seed draws afresh."""
     vocab = 8
     logits = LOGITS.expand(4, vocab).clone()
-    params = [SamplingParams(temperature=1.0, seed=5)] + [SamplingParams(top_p=0.9)] * 3
-    first = []
-    for default_seed in range(20):
-        gens = [torch.Generator().manual_seed(77)] + [None] * 3
-        st = SamplingTensors.build(params, gens, vocab, torch.device("cpu"))
-        draws = []
-        for _ in range(10):  # the row's own generator advances from draw to draw
-            draws.append(sample(logits, st, torch.Generator().manual_seed(default_seed))[0].item())
-        first.append(tuple(draws))
-    assert len(set(first)) == 1
-    assert len(set(first[0])) > 1
+    params = [SamplingParams(temperature=1.0)] + [SamplingParams(top_p=0.9)] * 3
+    per_position = []
+    for pos in range(12):
+        seen = set()
+        for others in range(5):  # the rest of the batch: other seeds and positions
+            st = SamplingTensors.build(params, [77, others, others + 1, 3], [pos, others, 9, 0],
+                                       vocab, torch.device("cpu"))
+            seen.add(sample(logits, st)[0].item())
+        assert len(seen) == 1
+        per_position.append(seen.pop())
+    assert len(set(per_position)) > 1
+    other_seed = SamplingTensors.build(params[:1] * 12, [78] * 12, list(range(12)), vocab, "cpu")
+    assert sample(logits[:1].expand(12, vocab), other_seed).tolist() != per_position
 
 
 def test_tiny_top_p_keeps_the_most_likely_token():
     from blockspec.layers.sampler import SamplingTensors, sample
 
     logits = torch.tensor([[0.0, 3.0, 1.0, -2.0]])
-    st = SamplingTensors.build([SamplingParams(temperature=1.0, top_p=1e-300)], [None], 4, "cpu")
-    for _ in range(20):
+    for seed in range(20):
+        st = SamplingTensors.build([SamplingParams(temperature=1.0, top_p=1e-300)], [seed], [0],
+                                   4, "cpu")
         assert sample(logits, st).item() == 1

@@ -79,6 +79,9 @@ def _no_leaks_after(request):
         assert wait_for(lambda: idle(eng)), "KV blocks or requests left behind"
 
 
+JSON = {"Content-Type": "application/json"}
+
+
 def metric(server: BackgroundServer, name: str, labels: str = "") -> float:
     text = httpx.get(server.url + "/metrics").text
     m = re.search(rf"^{re.escape(name + labels)} (\S+)$", text, re.M)
@@ -262,7 +265,7 @@ BAD = [  # (endpoint, fields merged into a valid body, param the error must name
     (C, {"seed": "7"}, "seed"), (C, {"seed": 1.5}, "seed"), (C, {"seed": 2**70}, "seed"),
     (C, {"stop": 5}, "stop"), (C, {"stop": [1]}, "stop"), (C, {"stop": ""}, "stop"),
     (C, {"stop": ["ok", ""]}, "stop"),
-    (C, {"n": 2}, "n"), (C, {"n": 0}, "n"), (C, {"n": "1"}, "n"),
+    (C, {"n": 0}, "n"), (C, {"n": "1"}, "n"),
     (C, {"logprobs": -1}, "logprobs"), (C, {"logprobs": 21}, "logprobs"),
     (C, {"logprobs": 10**6}, "logprobs"), (C, {"logprobs": True}, "logprobs"),
     (C, {"stream": "yes"}, "stream"),
@@ -273,10 +276,25 @@ BAD = [  # (endpoint, fields merged into a valid body, param the error must name
     (C, {"stop_token_ids": [-1]}, "stop_token_ids"), (C, {"stop_token_ids": "x"}, "stop_token_ids"),
     (C, {"stop_token_ids": [1.5]}, "stop_token_ids"),
     (C, {"include_stop_str_in_output": 1}, "include_stop_str_in_output"),
-    (C, {"presence_penalty": 0.5}, "presence_penalty"),
-    (C, {"frequency_penalty": 1}, "frequency_penalty"),
-    (C, {"repetition_penalty": 1.2}, "repetition_penalty"),
-    (C, {"logit_bias": {"1": 5}}, "logit_bias"), (C, {"echo": True}, "echo"),
+    (C, {"presence_penalty": 2.5}, "presence_penalty"),
+    (C, {"frequency_penalty": -3}, "frequency_penalty"),
+    (C, {"repetition_penalty": 0.0}, "repetition_penalty"),
+    (C, {"logit_bias": {"x": 5}}, "logit_bias"), (C, {"logit_bias": {"1": 500}}, "logit_bias"),
+    (C, {"logit_bias": {"-1": 5}}, "logit_bias"),
+    (C, {"logit_bias": {"99999999": 1}}, "logit_bias"),
+    (C, {"n": 0}, "n"), (C, {"n": 10**6}, "n"), (C, {"min_tokens": -1}, "min_tokens"),
+    (C, {"min_tokens": 17}, "min_tokens"), (C, {"max_tokens": 10**9}, "max_tokens"),
+    (C, {"max_tokens": 2**64}, "max_tokens"), (C, {"seed": 2**64}, "seed"),
+    (C, {"stop_token_ids": [2**63]}, "stop_token_ids"),
+    (C, {"stop_token_ids": [10**30]}, "stop_token_ids"),
+    (C, {"logprobs": 2**63}, "logprobs"),
+    (C, {"use_beam_search": True}, "use_beam_search"),
+    (C, {"prompt_logprobs": 1}, "prompt_logprobs"),
+    (C, {"guided_json": {"type": "object"}}, "guided_json"),
+    (C, {"skip_special_tokens": "no"}, "skip_special_tokens"),
+    (C, {"stream": True, "stream_options": {"continuous_usage_stats": 1}}, "stream_options"),
+    (C, {"stream": True, "stream_options": {"bogus": True}}, "stream_options"),
+    (C, {"echo": True}, "echo"),
     (C, {"best_of": 2}, "best_of"), (C, {"suffix": "x"}, "suffix"), (C, {"user": 5}, "user"),
     (CH, {"messages": []}, "messages"), (CH, {"messages": "hi"}, "messages"),
     (CH, {"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
@@ -291,8 +309,11 @@ BAD = [  # (endpoint, fields merged into a valid body, param the error must name
     (CH, {"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
     (CH, {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     (CH, {"temperature": -1}, "temperature"), (CH, {"top_p": 2}, "top_p"),
-    (CH, {"n": 2}, "n"), (CH, {"seed": "x"}, "seed"), (CH, {"stop": [None]}, "stop"),
+    (CH, {"n": 129}, "n"), (CH, {"seed": "x"}, "seed"), (CH, {"stop": [None]}, "stop"),
     (CH, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    (CH, {"tool_choice": "auto"}, "tool_choice"), (CH, {"reasoning_effort": "low"},
+                                                    "reasoning_effort"),
+    (CH, {"messages": [{"role": "user", "content": "x", "extra": 1}]}, "messages"),
     (CH, {"response_format": {"type": "json_object"}}, "response_format"),
     (CH, {"add_generation_prompt": "no"}, "add_generation_prompt"),
 ]
@@ -332,7 +353,7 @@ def test_missing_field_is_400(server, path, missing):
 
 def test_nan_temperature_is_400(server):
     raw = b'{"model": "%s", "prompt": "x", "temperature": NaN}' % MODEL.encode()
-    assert_openai_error(httpx.post(server.url + C, content=raw), 400)
+    assert_openai_error(httpx.post(server.url + C, content=raw, headers=JSON), 400)
 
 
 @pytest.mark.parametrize("path", [C, CH])
@@ -472,11 +493,14 @@ def test_tiny_top_p_is_greedy(client):
 
 
 def test_body_too_large_is_413(server):
-    r = httpx.post(server.url + C, content=b'{"prompt": "' + b"x" * (17 << 20) + b'"}')
+    r = httpx.post(server.url + C, content=b'{"prompt": "' + b"x" * (17 << 20) + b'"}',
+                   headers=JSON)
     assert_openai_error(r, 413)
 
 
-def test_engine_failure_is_503_not_a_hang(qwen3_path, monkeypatch):
+def test_engine_thread_death_is_503_not_a_hang(qwen3_path, monkeypatch):
+    """An error outside a step's own failure handling ends the engine thread: requests are
+    refused (503), never left hanging (`blockspec serve` then exits non-zero)."""
     eng = make_engine(qwen3_path)
 
     def broken_step():
@@ -532,3 +556,9 @@ def test_synthetic_acceptance_is_never_served(qwen3_path):
                        synthetic_acceptance=0.9, benchmark_mode=True)
     with pytest.raises(ConfigError, match="never served"):
         build_app(cfg, MODEL)
+
+
+def test_infinite_penalty_is_400(server):
+    raw = b'{"model": "%s", "prompt": "x", "repetition_penalty": 1e400}' % MODEL.encode()
+    assert_openai_error(httpx.post(server.url + C, content=raw, headers=JSON), 400,
+                        "repetition_penalty")

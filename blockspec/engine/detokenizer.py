@@ -15,15 +15,16 @@ from blockspec.config import ConfigError, ModelConfig
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.token_ids: list[int] = []
         self.prefix_offset = 0
         self.read_offset = 0
         self.text = ""
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def add(self, new_ids: list[int], final: bool = False) -> str:
         """Append token ids; return the text they complete (possibly empty)."""

@@ -24,8 +24,10 @@ from blockspec.engine.output_processor import OUTPUT_KINDS, EngineRequest, Outpu
 from blockspec.engine.scheduler import Scheduler, SchedulerOutput
 from blockspec.engine.sequence import Sequence
 from blockspec.engine.speculation import resolve_block_lens
+from blockspec.engine.step_error import StepError
 from blockspec.engine.step_result import StepResult, StepTimings
 from blockspec.layers.attention import PagedAttention, get_backend
+from blockspec.layers.counter_rng import derive_seed
 from blockspec.layers.linear import Linear
 from blockspec.models.loader import load_model
 from blockspec.outputs import RequestOutput
@@ -106,6 +108,7 @@ class LLMEngine:
                                        count_plain_steps=proposer is not None)
         self.requests = self.outputs.requests  # NOTE: the same dict (request id -> EngineRequest)
         self._ids = itertools.count()
+        self._seed_counter = itertools.count()  # requests without a seed of their own
         # NOTE: True while the caller has added every request it will (LLM.generate; a
         # benchmark's last wave): the batch then drains, and the speculation policy prices its
         # stragglers (SpeculationPolicy.rates). A server never sets it.
@@ -168,34 +171,52 @@ class LLMEngine:
         if len(ids) >= self.max_model_len:
             raise ConfigError(f"prompt has {len(ids)} tokens; the context length is "
                               f"{self.max_model_len}, which leaves no room to generate")
-        room = self.max_model_len - len(ids)
-        if params.max_tokens is None:
-            # "No limit" means what the context and the KV cache can hold.
-            cache_room = (self.block_manager.num_blocks * self.block_manager.block_size
-                          - self.lookahead_slots() - len(ids))
-            room = min(room, cache_room)
-            if room < 1:
-                raise ConfigError(f"prompt has {len(ids)} tokens; the KV cache holds "
-                                  f"{self.block_manager.num_blocks * self.block_manager.block_size}"
-                                  ", which leaves no room to generate")
-        max_tokens = room if params.max_tokens is None else min(params.max_tokens, room)
+        max_tokens = self._max_tokens(len(ids), params)
+        self._check_token_ids(params)
         needed = self.block_manager.blocks_for(len(ids) + max_tokens + self.lookahead_slots())
         if needed > self.block_manager.num_blocks:
             raise ConfigError(
                 f"request needs {needed} KV blocks ({len(ids)} prompt + {max_tokens} new tokens) "
                 f"but the cache holds {self.block_manager.num_blocks}; raise the KV-cache budget "
                 "or lower max_tokens")
-        gen = None
-        if params.seed is not None:
-            gen = torch.Generator(device=self.device)
-            gen.manual_seed(params.seed)
-        seq = Sequence(request_id, ids, params, max_tokens, generator=gen)
+        seed = params.seed if params.seed is not None \
+            else derive_seed(self.config.seed, next(self._seed_counter))
+        seq = Sequence(request_id, ids, params, max_tokens, eos_token_ids=self.eos_token_ids,
+                       sampling_seed=seed)
         self.outputs.add(request_id, EngineRequest(
             seq, prompt if isinstance(prompt, str) else None,
-            IncrementalDetokenizer(self.tokenizer), incremental=stream or bool(params.stop_strs),
-            output_kind=output_kind))
+            IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),
+            incremental=stream or bool(params.stop_strs), output_kind=output_kind))
         self.scheduler.add(seq)
         return request_id
+
+    def _max_tokens(self, num_prompt: int, params: SamplingParams) -> int:
+        """The request's max_tokens resolved against the context (None: what the context and the
+        KV cache can hold); more than the context leaves is refused, as vLLM does."""
+        room = self.max_model_len - num_prompt
+        if params.max_tokens is not None:
+            if params.max_tokens > room:
+                raise ConfigError(
+                    f"max_tokens must be at most {room} for this prompt: the context length is "
+                    f"{self.max_model_len} and the prompt has {num_prompt} tokens, got "
+                    f"{params.max_tokens}")
+            return params.max_tokens
+        if params.min_tokens > room:
+            raise ConfigError(f"min_tokens must be at most {room} for this prompt (the context "
+                              f"length is {self.max_model_len}), got {params.min_tokens}")
+        cache = self.block_manager.num_blocks * self.block_manager.block_size
+        room = min(room, cache - self.lookahead_slots() - num_prompt)
+        if room < 1:
+            raise ConfigError(f"prompt has {num_prompt} tokens; the KV cache holds {cache}, "
+                              "which leaves no room to generate")
+        return room
+
+    def _check_token_ids(self, params: SamplingParams) -> None:
+        vocab = self.model_config.vocab_size
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise ConfigError(f"stop_token_ids must be token ids in [0, {vocab})")
+        if params.logit_bias and any(t >= vocab for t in params.logit_bias):
+            raise ConfigError(f"logit_bias must have token ids in [0, {vocab}) as keys")
 
     def lookahead_slots(self) -> int:
         return max(self.spec_block_size - 1, 0)
@@ -230,11 +251,15 @@ class LLMEngine:
         if ctl is not None and ctl.policy is not None:
             ctl.drain = (self._drain if self.closed_batch and n <= self.config.max_num_seqs
                          else None)
-        res = self.runner.execute(sched.seqs, sched.num_new_tokens)
-        if ctl is not None:
-            ctl.drain = None  # NOTE: this step's state only
-        t2 = time.perf_counter()
-        outputs = self._commit(sched, res)
+        try:
+            res = self.runner.execute(sched.seqs, sched.num_new_tokens)
+            t2 = time.perf_counter()
+            outputs = self._commit(sched, res)
+        except Exception as e:
+            raise StepError(e, self._fail(sched.seqs)) from e
+        finally:
+            if ctl is not None:
+                ctl.drain = None  # NOTE: this step's state only
         timings = self.runner.timings
         timings.steps += 1
         timings.schedule += t1 - t0
@@ -246,6 +271,20 @@ class LLMEngine:
         # decode's term for the runs after it (H200 run 13, a=0.6, C=128: terms of 2.4-3.7 ms
         # at the runs' ends against ~1.8 ms over their decode phases).
         self.runner.observe_step_time(t3 - t0 - self.finish_seconds)
+        return outputs
+
+    def _fail(self, seqs: list[Sequence]) -> list[RequestOutput]:
+        """Finish the requests of a step that raised ("error"), freeing their KV blocks.
+        NOTE: a failed step committed nothing for them (num_computed_tokens did not advance past
+        their committed tokens), and the blocks it may have written are theirs alone: blocks
+        shared through the prefix cache hold only computed tokens, which no step rewrites."""
+        outputs = []
+        for seq in seqs:
+            req = self.requests.get(seq.request_id)
+            if req is None or seq.is_finished:
+                continue
+            self.scheduler.finish(seq, "error")
+            outputs.append(self.outputs.output(req))
         return outputs
 
     def _drain(self) -> Drain | None:

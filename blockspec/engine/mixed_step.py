@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import torch
 
+from blockspec.engine.row_sampling import SampleRows, sample_rows
 from blockspec.engine.sequence import Sequence
 from blockspec.engine.step_result import Logprobs, StepResult
 from blockspec.layers.attention import AttentionMetadata
-from blockspec.layers.sampler import SamplingTensors, chosen_logprobs, sample
+from blockspec.layers.sampler import chosen_logprobs
 from blockspec.spec.verify import num_accepted
 
 
@@ -76,9 +77,10 @@ class MixedStepMixin:
             return StepResult(advance, [], [], [], [], [], [])
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=dev)]).float()
         row_seqs = last_seqs + [s for s in spec_seqs for _ in range(width)]
-        st = SamplingTensors.build([s.params for s in row_seqs], [s.generator for s in row_seqs],
-                                   self.model_cfg.vocab_size, dev)
-        tokens = sample(logits, st, self.default_generator)
+        offsets = [0] * len(last_rows) + [min(j, blens[i] - 1) for i in spec for j in range(width)]
+        draft_rows = [-1] * len(last_rows) + [k for k in range(len(spec)) for _ in range(width)]
+        tokens = sample_rows(logits, SampleRows(row_seqs, offsets, drafts, draft_rows),
+                             self.model_cfg.vocab_size)
         acc_t = None
         if spec_seqs:
             target = tokens[len(last_rows):].view(len(spec_seqs), width)

@@ -32,11 +32,11 @@ from blockspec.engine.decode_step import (
 from blockspec.engine.kv_cache import BlockManager
 from blockspec.engine.lazy_context import LazyDraftContext
 from blockspec.engine.mixed_step import MixedStepMixin
+from blockspec.engine.row_sampling import SampleRows, plain_greedy, sample_rows
 from blockspec.engine.sequence import Sequence
 from blockspec.engine.speculation import SpecController
 from blockspec.engine.step_result import Logprobs, StepResult, StepTimings
 from blockspec.layers.attention import PagedAttention
-from blockspec.layers.sampler import SamplingTensors, sample
 from blockspec.models.qwen3 import CausalLM
 from blockspec.spec.cost_model import StepCostModel
 from blockspec.spec.proposer import DFlashProposer
@@ -297,21 +297,22 @@ class ModelRunner(MixedStepMixin):
             # With lazy context the flush counts the rows it writes into their sequences.
             self.staging.stage(out.taps, ctx, tables[np.arange(n), ctx // self.bm.block_size],
                                seqs if self.lazy is not None else None)
-        params = [s.params for s in seqs]
         target = out.target_tokens[:n]
         logits = out.logits[:n * q]
         row_seqs = [s for s in seqs for _ in range(q)]
-        if not all(p.greedy for p in params):
-            st = SamplingTensors.build([s.params for s in row_seqs],
-                                       [s.generator for s in row_seqs],
-                                       self.model_cfg.vocab_size, self.device)
-            target = sample(logits.float(), st, self.default_generator).view(n, q)
+        greedy = plain_greedy(seqs)
+        if not greedy:
+            rows = SampleRows(row_seqs, list(range(q)) * n,
+                              out.drafts[:n] if out.drafts is not None else None,
+                              [i for i in range(n) for _ in range(q)])
+            target = sample_rows(logits, rows, self.model_cfg.vocab_size).view(n, q)
         acc = None
         if out.drafts is not None:
-            acc = out.num_accepted[:n] if self.synthetic is not None or all(
-                p.greedy for p in params) else num_accepted(out.drafts[:n], target)
+            # NOTE: the graph's own acceptance compares drafts with the raw argmax.
+            acc = out.num_accepted[:n] if self.synthetic is not None or greedy \
+                else num_accepted(out.drafts[:n], target)
         lp = self._logprobs(logits.float(), target.reshape(-1), row_seqs) if any(
-            p.logprobs is not None for p in params) else [None] * (n * q)
+            s.params.logprobs is not None for s in seqs) else [None] * (n * q)
         return self._emit(seqs, target, out.drafts, acc, lp, q)
 
     def _emit(self, seqs: list[Sequence], target: torch.Tensor, drafts: torch.Tensor | None,

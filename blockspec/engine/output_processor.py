@@ -71,13 +71,16 @@ class OutputProcessor:
                 text = req.detok.add([tok] if keep else [], final=eos or not keep)
                 req.text += text
                 delta = len(text)
-            if not stop_tok and not (delta and params.stop_strs) and len(out_ids) < end:
+            if len(out_ids) < end and (len(out_ids) < params.min_tokens
+                                       or not stop_tok and not (delta and params.stop_strs)):
                 continue  # NOTE: the common token: _check_stop would find nothing
+                # (before min_tokens nothing stops a request but its length, as in vLLM)
             reason, stop = self._check_stop(req, tok, eos, delta, end)
             if reason is not None:
                 if not req.incremental:
                     ids = seq.output_token_ids if keep else seq.output_token_ids[:-1]
-                    req.text = self.tokenizer.decode(ids, skip_special_tokens=True)
+                    req.text = self.tokenizer.decode(
+                        ids, skip_special_tokens=params.skip_special_tokens)
                 return reason, stop
         return None
 

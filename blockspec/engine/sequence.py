@@ -6,8 +6,6 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-import torch
-
 from blockspec.sampling_params import SamplingParams
 from blockspec.spec.metrics import SpecStats
 
@@ -67,7 +65,9 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
-    generator: torch.Generator | None = None
+    # NOTE: the request's seed (its own, or one derived from the engine seed): with the output
+    # position it fixes every random draw of the request (layers/counter_rng).
+    sampling_seed: int = 0
     logprobs: list[dict[int, float]] = field(default_factory=list)
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
 

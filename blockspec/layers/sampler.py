@@ -1,8 +1,10 @@
-"""Batched sampling with per-row parameters: greedy, temperature, top-k, top-p, min-p, seeds.
+"""Batched sampling with per-row parameters: greedy, temperature, top-k, top-p, min-p.
 
-Processing order: temperature -> top-k -> top-p -> min-p -> sample. Sampling uses the exponential
-race (argmax p_i / E_i with E_i ~ Exp(1)), which is an exact draw from p and lets each seeded row
-use its own generator while the rest of the batch shares one.
+Processing order: temperature -> top-k -> top-p -> min-p -> sample. A sampled row draws by
+inverse CDF (the first token whose cumulative probability, in vocabulary order, reaches u) from
+one uniform u per row, and u is a function of the row's request seed and output position only
+(`counter_rng`): a seeded request draws the same token at a position in any batch, at any block
+length, speculative or not.
 """
 
 from __future__ import annotations
@@ -11,7 +13,13 @@ from dataclasses import dataclass
 
 import torch
 
+from blockspec.layers.counter_rng import uniforms
 from blockspec.sampling_params import SamplingParams
+
+# NOTE: rows per chunk of the sampled path are chosen so that one chunk's [rows, vocab] float64
+# CDF stays near 256 MiB whatever the batch (a 256 x 16 verify block of a 151k vocab would
+# otherwise build ~5 GB of temporaries).
+_CHUNK_ELEMENTS = 1 << 25
 
 
 @dataclass
@@ -20,16 +28,21 @@ class SamplingTensors:
     top_k: torch.Tensor  # [N] int64, vocab size = off
     top_p: torch.Tensor  # [N] fp32
     min_p: torch.Tensor  # [N] fp32
-    generators: list[torch.Generator | None]
+    uniforms: torch.Tensor  # [N] fp64 in (0, 1): each row's draw (unused by greedy rows)
     all_greedy: bool
     needs_top_k: bool
     needs_top_p: bool
     needs_min_p: bool
 
     @classmethod
-    def build(cls, params: list[SamplingParams], generators: list[torch.Generator | None],
-              vocab_size: int, device: torch.device) -> SamplingTensors:
-        top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]
+    def build(cls, params: list[SamplingParams], seeds: list[int], positions: list[int],
+              vocab_size: int, device: torch.device | str) -> SamplingTensors:
+        """`seeds[i]`, `positions[i]`: row i's request seed and output position (the index of the
+        token it samples among the request's output tokens)."""
+        # NOTE: top_k above the vocabulary means "off"; clamping keeps any integer in int64.
+        top_k = [min(p.top_k, vocab_size) if p.top_k > 0 else vocab_size for p in params]
+        all_greedy = all(p.greedy for p in params)
+        u = uniforms(seeds, positions) if not all_greedy else [0.5] * len(params)
         return cls(
             temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32,
                                      device=device),
@@ -38,12 +51,18 @@ class SamplingTensors:
             top_p=torch.tensor([max(p.top_p, 1.2e-38) for p in params], dtype=torch.float32,
                                device=device),
             min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
-            generators=generators,
-            all_greedy=all(p.greedy for p in params),
+            uniforms=torch.as_tensor(u, dtype=torch.float64).to(device),
+            all_greedy=all_greedy,
             needs_top_k=any(k < vocab_size for k in top_k),
             needs_top_p=any(p.top_p < 1.0 for p in params),
             needs_min_p=any(p.min_p > 0.0 for p in params),
         )
+
+    def rows(self, start: int, stop: int) -> SamplingTensors:
+        return SamplingTensors(
+            self.temperature[start:stop], self.top_k[start:stop], self.top_p[start:stop],
+            self.min_p[start:stop], self.uniforms[start:stop], self.all_greedy,
+            self.needs_top_k, self.needs_top_p, self.needs_min_p)
 
 
 def target_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
@@ -78,23 +97,23 @@ def target_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     return probs
 
 
-def exponential_noise(shape: tuple[int, int], generators: list[torch.Generator | None],
-                      default: torch.Generator | None, device: torch.device) -> torch.Tensor:
-    noise = torch.empty(shape, dtype=torch.float32, device=device).exponential_(generator=default)
-    for row, gen in enumerate(generators):
-        if gen is not None:
-            noise[row].exponential_(generator=gen)
-    return noise
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """The first token whose cumulative probability reaches u x total: a draw from `probs`.
+    NOTE: searchsorted (left) lands on a token of positive probability: the CDF steps there."""
+    cdf = probs.double().cumsum(dim=-1)
+    target = (u * cdf[:, -1])[:, None]
+    return torch.searchsorted(cdf, target).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
 
 
-def sample(logits: torch.Tensor, st: SamplingTensors,
-           default_generator: torch.Generator | None = None) -> torch.Tensor:
+def sample(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     """logits [N, V] -> token ids [N] (int64)."""
     if st.all_greedy:
         return logits.argmax(dim=-1)
-    probs = target_probs(logits, st)
-    noise = exponential_noise(tuple(probs.shape), st.generators, default_generator, probs.device)
-    return (probs / noise).argmax(dim=-1)
+    n, vocab = logits.shape
+    chunk = max(1, _CHUNK_ELEMENTS // vocab)
+    out = [_inverse_cdf(target_probs(logits[i:i + chunk], st.rows(i, i + chunk)),
+                        st.uniforms[i:i + chunk]) for i in range(0, n, chunk)]
+    return out[0] if len(out) == 1 else torch.cat(out)
 
 
 def chosen_logprobs(logits: torch.Tensor, tokens: torch.Tensor,

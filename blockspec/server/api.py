@@ -1,4 +1,5 @@
-"""The FastAPI app: OpenAI-compatible routes, API-key check, /health and /metrics."""
+"""The FastAPI app: OpenAI-compatible routes, API-key check, /health, /metrics, /tokenize,
+/detokenize, /version and the OpenAPI document (/openapi.json, /docs)."""
 
 from __future__ import annotations
 
@@ -6,24 +7,24 @@ import hmac
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ValidationError
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from blockspec.config import ConfigError, EngineConfig
 from blockspec.engine.llm_engine import LLMEngine
 from blockspec.server.async_engine import AsyncEngine
-from blockspec.server.errors import APIError, from_validation, install_error_handlers
-from blockspec.server.metrics import ServerMetrics
+from blockspec.server.body import MAX_BODY_BYTES, parse_body
+from blockspec.server.errors import APIError, install_error_handlers
+from blockspec.server.extra_routes import UtilityRoutes, server_version
+from blockspec.server.metrics import RefusedRequestsMiddleware, ServerMetrics
+from blockspec.server.openapi import SchemaBook
 from blockspec.server.protocol import ChatCompletionRequest, CompletionRequest
 from blockspec.server.serving import OpenAIServing
 
-MAX_BODY_BYTES = 16 << 20  # far above any prompt that fits a context; bounds memory per request
-M = TypeVar("M", bound=BaseModel)
+__all__ = ["MAX_BODY_BYTES", "APIKeyMiddleware", "build_app", "parse_body"]
 
 
 class APIKeyMiddleware:
@@ -49,18 +50,6 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-async def parse_body(request: Request, model: type[M]) -> M:
-    body = bytearray()
-    async for part in request.stream():
-        body += part
-        if len(body) > MAX_BODY_BYTES:
-            raise APIError(f"request body larger than {MAX_BODY_BYTES} bytes", status=413)
-    try:
-        return model.model_validate_json(bytes(body))
-    except ValidationError as e:
-        raise from_validation(e) from None
-
-
 def build_app(engine_or_config: LLMEngine | EngineConfig, served_model_name: str,
               api_key: str | None = None) -> FastAPI:
     """The engine thread starts and stops with the app's lifespan (uvicorn runs it)."""
@@ -74,7 +63,6 @@ def build_app(engine_or_config: LLMEngine | EngineConfig, served_model_name: str
     metrics = ServerMetrics(lambda: async_engine.stats)  # NOTE: late-bound, defined next line
     async_engine = AsyncEngine(engine, on_finished=metrics.on_finished)
     serving = OpenAIServing(async_engine, served_model_name)
-    created = int(time.time())
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -84,27 +72,45 @@ def build_app(engine_or_config: LLMEngine | EngineConfig, served_model_name: str
         finally:
             await async_engine.shutdown()
 
-    app = FastAPI(title="blockspec", lifespan=lifespan, docs_url=None, redoc_url=None,
-                  openapi_url=None)
+    # NOTE: redirect_slashes=False: "/v1/completions/" is a JSON 404, not a 307 with an empty
+    # body that clients would follow (or fail on) without a word.
+    app = FastAPI(title="blockspec", version=server_version(), lifespan=lifespan,
+                  redoc_url=None, redirect_slashes=False)
     app.state.engine = async_engine
     app.state.metrics = metrics
     app.state.served_model_name = served_model_name
     install_error_handlers(app)
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    app.add_middleware(RefusedRequestsMiddleware, metrics=metrics)  # NOTE: outside the key check
+    book = SchemaBook()
+    book.install(app)
+    _add_ops_routes(app, async_engine, metrics)
+    _add_openai_routes(app, serving, engine, book)
+    UtilityRoutes(async_engine, serving).register(app, book)
+    return app
 
-    @app.get("/health")
-    async def health() -> Response:
-        if async_engine.alive:
-            return JSONResponse({"status": "ok"})
-        return APIError("engine is not running", status=503, type="server_error").response()
+
+def _add_ops_routes(app: FastAPI, async_engine: AsyncEngine, metrics: ServerMetrics) -> None:
+    @app.api_route("/health", methods=["GET", "HEAD"], operation_id="health")
+    async def health(request: Request) -> Response:
+        resp = JSONResponse({"status": "ok"}) if async_engine.alive else \
+            APIError("engine is not running", status=503, type="server_error").response()
+        if request.method == "HEAD":  # the same status, no body
+            return Response(status_code=resp.status_code, media_type=resp.media_type)
+        return resp
 
     @app.get("/metrics")
     async def prometheus() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+
+def _add_openai_routes(app: FastAPI, serving: OpenAIServing, engine: LLMEngine,
+                       book: SchemaBook) -> None:
+    created = int(time.time())
+
     def model_card() -> dict:
-        return {"id": served_model_name, "object": "model", "created": created,
+        return {"id": serving.model_name, "object": "model", "created": created,
                 "owned_by": "blockspec", "root": engine.config.model,
                 "max_model_len": engine.max_model_len}
 
@@ -117,12 +123,10 @@ def build_app(engine_or_config: LLMEngine | EngineConfig, served_model_name: str
         serving.check_model(model_id)
         return JSONResponse(model_card())
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=book.body(CompletionRequest))
     async def completions(request: Request) -> Response:
         return await serving.completion(await parse_body(request, CompletionRequest), request)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=book.body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         return await serving.chat(await parse_body(request, ChatCompletionRequest), request)
-
-    return app

@@ -21,31 +21,20 @@ from typing import Any, TypeVar
 
 from blockspec.config import ConfigError
 from blockspec.engine.llm_engine import LLMEngine
+from blockspec.engine.step_error import StepError
 from blockspec.outputs import RequestOutput
 from blockspec.sampling_params import SamplingParams
-from blockspec.server.stream import ACCEPTED, EngineUnavailableError, RequestStream
+from blockspec.server.engine_stats import EngineStats
+from blockspec.server.stream import (
+    ACCEPTED,
+    EngineUnavailableError,
+    RequestFailedError,
+    RequestStream,
+)
 
 logger = logging.getLogger("blockspec.server")
 T = TypeVar("T")
 Prompt = str | list[int]
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    """What /metrics reads; published by the engine thread after each iteration, so the event
-    loop never reads the scheduler's or block manager's mutable state."""
-
-    num_running: int = 0
-    num_waiting: int = 0
-    num_used_blocks: int = 0
-    num_blocks: int = 1
-    num_preemptions: int = 0
-    spec_verify_steps: int = 0
-    spec_draft_tokens: int = 0
-    spec_accepted_tokens: int = 0
-    spec_drafted_per_position: tuple[int, ...] = ()
-    spec_accepted_per_position: tuple[int, ...] = ()
-    spec_block_len_steps: tuple[tuple[int, int], ...] = ()  # (block length, engine steps)
 
 
 @dataclass
@@ -84,6 +73,8 @@ class AsyncEngine:
         self._closed = False
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None  # why the engine thread died, if it did
+        self.died = threading.Event()  # set when the thread ends on an error
+        self.num_step_failures = 0  # engine thread only; published in EngineStats
 
     # -- event-loop side ------------------------------------------------------------------------
     def start(self) -> None:
@@ -165,6 +156,8 @@ class AsyncEngine:
             self.error = e
         finally:
             self._close()
+            if self.error is not None:
+                self.died.set()
 
     def _iterate(self) -> bool:
         eng = self.engine
@@ -179,10 +172,29 @@ class AsyncEngine:
                 return False
             self._handle(op)
         if eng.has_unfinished():
-            for out in eng.step():
+            try:
+                outs = eng.step()
+            except StepError as e:
+                self._fail_step(e)
+                outs = []
+            for out in outs:
                 self._emit(out)
         self._publish()
         return True
+
+    def _fail_step(self, e: StepError) -> None:
+        """Fail the step's requests and go on; a fault that leaves the device state untrusted
+        ends the thread (the server then exits non-zero, see `died`)."""
+        self.num_step_failures += 1
+        logger.error("engine step failed (%d requests): %s", len(e.outputs), e,
+                     exc_info=e.cause)
+        for out in e.outputs:
+            stream = self._streams.pop(out.request_id, None)
+            self._finished(out)
+            if stream is not None:
+                stream.put(RequestFailedError(str(e)))
+        if e.fatal:
+            raise e
 
     def _take_ops(self, timeout: float | None) -> list[Any]:
         ops = []
@@ -214,9 +226,14 @@ class AsyncEngine:
             if params.max_tokens is None:
                 params = dataclasses.replace(params, max_tokens=self._room(op.prompt))
             self.engine.add_request(op.prompt, params, rid, stream=True)
-        except (ConfigError, ValueError, TypeError) as e:
+        except (ConfigError, ValueError, TypeError, OverflowError) as e:
             # NOTE: add_request validates before it mutates anything, so the engine is intact.
             op.stream.put(e if isinstance(e, ConfigError) else ConfigError(str(e)))
+            return
+        except Exception as e:  # a bug, not a bad request: fail this one, keep the engine
+            logger.exception("add_request failed")
+            op.stream.put(RequestFailedError(f"the engine could not add the request: "
+                                             f"{type(e).__name__}: {e}"))
             return
         self._streams[rid] = op.stream
         op.stream.put(ACCEPTED)
@@ -242,26 +259,19 @@ class AsyncEngine:
         stream = self._streams.get(out.request_id)
         if out.finished:
             self._streams.pop(out.request_id, None)
-            if self._on_finished is not None:
-                try:
-                    self._on_finished(out)
-                except Exception:
-                    logger.exception("on_finished hook failed")
+            self._finished(out)
         if stream is not None:
             stream.put(out)
 
+    def _finished(self, out: RequestOutput) -> None:
+        if self._on_finished is not None:
+            try:
+                self._on_finished(out)
+            except Exception:
+                logger.exception("on_finished hook failed")
+
     def _publish(self) -> None:
-        eng, spec = self.engine, self.engine.spec_stats
-        self.stats = EngineStats(
-            num_running=len(eng.scheduler.running), num_waiting=len(eng.scheduler.waiting),
-            num_used_blocks=eng.block_manager.num_used_blocks,
-            num_blocks=eng.block_manager.num_blocks,
-            num_preemptions=getattr(eng.scheduler, "num_preemptions", 0),
-            spec_verify_steps=spec.num_steps, spec_draft_tokens=spec.num_draft_tokens,
-            spec_accepted_tokens=spec.num_accepted_tokens,
-            spec_drafted_per_position=tuple(spec.drafted_per_position),
-            spec_accepted_per_position=tuple(spec.accepted_per_position),
-            spec_block_len_steps=tuple(sorted(spec.block_len_steps.items())))
+        self.stats = EngineStats.of(self.engine, self.num_step_failures)
 
     def _close(self) -> None:
         """Fail whatever is still waiting on this thread; nothing can be queued after this."""

@@ -6,6 +6,7 @@ import argparse
 import logging
 import os
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -64,5 +65,21 @@ def cmd_serve(args: argparse.Namespace, engine_kwargs: Callable[[argparse.Namesp
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         print(f"[blockspec] warning: listening on {args.host} without --api-key: anyone who can "
               "reach this port can use the model", file=sys.stderr)
-    make_server(app, args.host, args.port, args.log_level).run()
+    server = make_server(app, args.host, args.port, args.log_level)
+    engine_thread = app.state.engine
+    threading.Thread(target=_exit_when_engine_dies, args=(engine_thread, server), daemon=True,
+                     name="blockspec-watchdog").start()
+    server.run()
+    if engine_thread.error is not None:
+        # NOTE: non-zero, so a supervisor restarts a server whose engine can no longer serve
+        print(f"blockspec: error: the engine failed: {type(engine_thread.error).__name__}: "
+              f"{engine_thread.error}", file=sys.stderr)
+        return 1
     return 0
+
+
+def _exit_when_engine_dies(engine: Any, server: Any) -> None:
+    """A dead engine thread (a fault that leaves the device state untrusted) stops the server:
+    a live process that answers 503 forever helps nobody."""
+    engine.died.wait()
+    server.should_exit = True

@@ -45,6 +45,9 @@ def from_validation(e: ValidationError | RequestValidationError) -> APIError:
     where = ".".join(path) or loc[0]
     if err.get("type") == "missing":
         return APIError(f"missing required field '{where}'", param=loc[0])
+    if err.get("type") == "extra_forbidden":
+        # NOTE: protocol.py's models rely on this wording for their unknown fields too.
+        return APIError(f"unknown field '{where}'", param=loc[0])
     return APIError(f"invalid value for '{where}': {err.get('msg')}", param=loc[0])
 
 
@@ -73,7 +76,10 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, e: StarletteHTTPException) -> JSONResponse:
-        return APIError(str(e.detail), status=e.status_code, code=e.status_code).response()
+        # NOTE: the exception's headers are part of the answer (405 must carry `Allow`).
+        resp = APIError(str(e.detail), status=e.status_code, code=e.status_code).response()
+        resp.headers.update(e.headers or {})
+        return resp
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, e: Exception) -> JSONResponse:

@@ -2,7 +2,8 @@
 
 Per-request figures are recorded by the engine thread when a request finishes (prometheus_client
 is thread-safe); gauges and the speculative counters are read at scrape time from the engine's
-published `EngineStats` snapshot.
+published `EngineStats` snapshot. Refused requests are counted on the event loop, by an ASGI
+middleware that sees every response status of the API routes.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections.abc import Callable, Iterator
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from blockspec.outputs import RequestOutput
 from blockspec.server.async_engine import EngineStats
@@ -38,6 +40,9 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily("blockspec_num_preemptions",
                                   "Sequences preempted (recomputed later)",
                                   value=s.num_preemptions)
+        yield CounterMetricFamily("blockspec_engine_step_failures",
+                                  "Engine steps that raised (the requests in them failed)",
+                                  value=s.num_step_failures)
         # NOTE: mean acceptance length = (accepted + verify_steps) / verify_steps.
         yield CounterMetricFamily("blockspec_spec_decode_draft_tokens",
                                   "Draft tokens proposed by the DFlash drafter",
@@ -66,6 +71,9 @@ class _EngineCollector(Collector):
         yield fam
 
 
+REFUSED_STATUSES = (400, 401, 404, 405, 413, 415)  # the 4xx codes this server answers
+
+
 class ServerMetrics:
     def __init__(self, stats: Callable[[], EngineStats]) -> None:
         self.registry = CollectorRegistry()
@@ -84,8 +92,16 @@ class ServerMetrics:
         self.e2e = Histogram("blockspec_e2e_request_latency_seconds",
                              "Arrival to finish, per request", buckets=_LATENCY_BUCKETS,
                              registry=r)
-        for reason in ("stop", "length", "abort"):  # so the series exist before traffic
+        self.refused = Counter("blockspec_requests_refused",
+                               "Requests to /v1/*, /tokenize and /detokenize answered with a 4xx "
+                               "error (bad body or parameter, unknown model or route, wrong "
+                               "method or media type, and 401 for a missing or wrong API key), "
+                               "by HTTP status", ["status"], registry=r)
+        # so the series exist before traffic
+        for reason in ("stop", "length", "abort"):
             self.requests.labels(reason)
+        for status in REFUSED_STATUSES:
+            self.refused.labels(str(status))
         r.register(_EngineCollector(stats))
 
     def on_finished(self, out: RequestOutput) -> None:
@@ -105,3 +121,30 @@ class ServerMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _counted(path: str) -> bool:
+    return path == "/v1" or path.startswith("/v1/") or path in ("/tokenize", "/detokenize")
+
+
+class RefusedRequestsMiddleware:
+    """Counts the 4xx answers of the API routes, whichever layer sent them (validation, the
+    router, the API-key check). Pure ASGI, so streaming responses pass through untouched.
+
+    NOTE: it must wrap APIKeyMiddleware (be added after it) to see the 401s."""
+
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
+        self.app = app
+        self._metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not _counted(scope.get("path", "")):
+            await self.app(scope, receive, send)
+            return
+
+        async def observe(message: Message) -> None:
+            if message["type"] == "http.response.start" and 400 <= message["status"] < 500:
+                self._metrics.refused.labels(str(message["status"])).inc()
+            await send(message)
+
+        await self.app(scope, receive, observe)

@@ -1,8 +1,9 @@
 """Request bodies of the OpenAI API (the subset blockspec serves) and their SamplingParams.
 
 Models are strict (no "0.5" -> 0.5, no true -> 1): a wrong type is a 400, not a guess. Unknown
-fields are ignored, as vLLM does, since clients send extras; known fields blockspec cannot honour
-(n > 1, penalties, echo, tools, ...) are refused rather than silently dropped.
+fields are refused with a 400 naming them (a dropped field silently changes what the client
+asked for); known fields blockspec cannot honour (echo, tools, beam search, ...) are refused
+unless they carry their neutral value.
 """
 
 from __future__ import annotations
@@ -16,16 +17,16 @@ from blockspec.sampling_params import SamplingParams
 from blockspec.server.errors import APIError, from_config_error
 
 MAX_LOGPROBS = 20  # like vLLM's default max_logprobs; the engine itself has no bound
-_SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed accepts
 _MIN_TOP_P = 1e-30  # well inside fp32's normal range
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
+    model_config = ConfigDict(strict=True, extra="forbid")
 
 
 class StreamOptions(_Strict):
     include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # vLLM: usage in every chunk
 
 
 class _SamplingRequest(_Strict):
@@ -39,37 +40,45 @@ class _SamplingRequest(_Strict):
     n: int | None = 1
     stream: bool | None = False
     stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
     # vLLM extensions
     ignore_eos: bool | None = False
     stop_token_ids: list[int] | None = None
     include_stop_str_in_output: bool | None = False
-    # OpenAI fields with no blockspec support beyond their neutral value
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    min_tokens: int | None = 0
     repetition_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    user: str | None = None
+    skip_special_tokens: bool | None = True
+    use_beam_search: bool | None = False  # refused when true
+    prompt_logprobs: int | None = None  # refused unless null
 
     def check_common(self) -> None:
-        if self.n not in (None, 1):
-            raise APIError("only n=1 is supported", param="n")
         if self.stream_options is not None and not self.stream:
             raise APIError("stream_options is only allowed when stream is true",
                            param="stream_options")
-        if self.seed is not None and not _SEED_RANGE[0] <= self.seed < _SEED_RANGE[1]:
-            raise APIError("seed must fit in 64 bits", param="seed")
-        for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0),
-                              ("repetition_penalty", 1.0)):
-            v = getattr(self, name)
-            if v is not None and v != neutral:  # NOTE: NaN != neutral, so NaN is refused too
-                raise APIError(f"{name} is not supported (only {neutral} is accepted)",
-                               param=name)
-        if self.logit_bias:
-            raise APIError("logit_bias is not supported", param="logit_bias")
+        if self.use_beam_search:
+            raise APIError("beam search is not supported", param="use_beam_search")
+        if self.prompt_logprobs is not None:
+            raise APIError("prompt_logprobs is not supported", param="prompt_logprobs")
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.continuous_usage_stats)
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        if not self.logit_bias:
+            return None
+        try:
+            return {int(k): v for k, v in self.logit_bias.items()}
+        except ValueError:
+            raise APIError("logit_bias must have token ids (integers as strings) as keys",
+                           param="logit_bias") from None
 
     def sampling_params(self, max_tokens: int | None, logprobs: int | None,
                         rename: dict[str, str]) -> SamplingParams:
@@ -82,11 +91,16 @@ class _SamplingRequest(_Strict):
             # 0 and mask every token (the output turns into token 0); this is the same choice.
         try:
             return SamplingParams(
-                temperature=pick(self.temperature, 1.0), top_p=pick(top_p, 1.0),
+                n=pick(self.n, 1), temperature=pick(self.temperature, 1.0), top_p=pick(top_p, 1.0),
                 top_k=pick(self.top_k, -1), min_p=pick(self.min_p, 0.0), seed=self.seed,
-                max_tokens=max_tokens, stop=self.stop, stop_token_ids=self.stop_token_ids,
-                ignore_eos=bool(self.ignore_eos), logprobs=logprobs,
-                include_stop_str_in_output=bool(self.include_stop_str_in_output))
+                max_tokens=max_tokens, min_tokens=pick(self.min_tokens, 0),
+                presence_penalty=pick(self.presence_penalty, 0.0),
+                frequency_penalty=pick(self.frequency_penalty, 0.0),
+                repetition_penalty=pick(self.repetition_penalty, 1.0),
+                logit_bias=self._logit_bias(), stop=self.stop,
+                stop_token_ids=self.stop_token_ids, ignore_eos=bool(self.ignore_eos),
+                logprobs=logprobs, include_stop_str_in_output=bool(self.include_stop_str_in_output),
+                skip_special_tokens=pick(self.skip_special_tokens, True))
         except ConfigError as e:
             raise from_config_error(e, rename) from None
 
@@ -157,7 +171,9 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    tools: list[Any] | None = None
+    tools: list[Any] | None = None  # refused unless empty
+    tool_choice: str | dict[str, Any] | None = None  # refused unless "none"
+    parallel_tool_calls: bool | None = None  # meaningless without tools: accepted
     response_format: dict[str, Any] | None = None
     add_generation_prompt: bool | None = True  # vLLM extension
 
@@ -167,6 +183,9 @@ class ChatCompletionRequest(_SamplingRequest):
             raise APIError("messages must not be empty", param="messages")
         if self.tools:
             raise APIError("tools are not supported", param="tools")
+        if self.tool_choice not in (None, "none"):
+            raise APIError("tool_choice is not supported (only 'none' is accepted)",
+                           param="tool_choice")
         if self.response_format and self.response_format.get("type") != "text":
             raise APIError("only response_format {'type': 'text'} is supported",
                            param="response_format")

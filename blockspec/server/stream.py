@@ -13,6 +13,11 @@ class EngineUnavailableError(RuntimeError):
     """The engine is shutting down or has died: the request cannot be served (HTTP 503)."""
 
 
+class RequestFailedError(RuntimeError):
+    """The engine step that ran this request raised: the request is failed (HTTP 500), the
+    engine serves on."""
+
+
 ACCEPTED = object()  # first item of a stream whose add_request succeeded
 
 

@@ -1,0 +1,42 @@
+"""The engine's figures that /metrics reads, as one immutable snapshot."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from blockspec.engine.llm_engine import LLMEngine
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """What /metrics reads; published by the engine thread after each iteration, so the event
+    loop never reads the scheduler's or block manager's mutable state."""
+
+    num_running: int = 0
+    num_waiting: int = 0
+    num_used_blocks: int = 0
+    num_blocks: int = 1
+    num_preemptions: int = 0
+    spec_verify_steps: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
+    spec_drafted_per_position: tuple[int, ...] = ()
+    spec_accepted_per_position: tuple[int, ...] = ()
+    spec_block_len_steps: tuple[tuple[int, int], ...] = ()  # (block length, engine steps)
+    num_step_failures: int = 0  # engine steps that raised (their requests failed, see _iterate)
+
+    @classmethod
+    def of(cls, eng: LLMEngine, num_step_failures: int = 0) -> EngineStats:
+        """Engine thread: the snapshot after an iteration."""
+        spec = eng.spec_stats
+        return cls(
+            num_running=len(eng.scheduler.running), num_waiting=len(eng.scheduler.waiting),
+            num_used_blocks=eng.block_manager.num_used_blocks,
+            num_blocks=eng.block_manager.num_blocks,
+            num_preemptions=getattr(eng.scheduler, "num_preemptions", 0),
+            spec_verify_steps=spec.num_steps, spec_draft_tokens=spec.num_draft_tokens,
+            spec_accepted_tokens=spec.num_accepted_tokens,
+            spec_drafted_per_position=tuple(spec.drafted_per_position),
+            spec_accepted_per_position=tuple(spec.accepted_per_position),
+            spec_block_len_steps=tuple(sorted(spec.block_len_steps.items())),
+            num_step_failures=num_step_failures)
