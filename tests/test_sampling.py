@@ -431,3 +431,15 @@ def test_tiny_top_p_keeps_the_most_likely_token():
         st = SamplingTensors.build([SamplingParams(temperature=1.0, top_p=1e-300)], [seed], [0],
                                    4, "cpu")
         assert sample(logits, st).item() == 1
+
+
+def test_huge_temperature_with_a_banned_token_has_no_nan():
+    """A temperature past fp32's range must not turn a banned (-inf) logit into NaN."""
+    logits = torch.tensor([[0.0, float("-inf"), 1.0, 2.0]])
+    for t in (1e38, 3.5e38, 1e300):
+        st = SamplingTensors.build([SamplingParams(temperature=t)], [1], [0], 4, "cpu")
+        from blockspec.layers.sampler import target_probs
+
+        probs = target_probs(logits, st)
+        assert not probs.isnan().any() and probs[0, 1] == 0
+        assert sample(logits, st).item() != 1

@@ -20,6 +20,7 @@ from blockspec.sampling_params import SamplingParams
 # CDF stays near 256 MiB whatever the batch (a 256 x 16 verify block of a 151k vocab would
 # otherwise build ~5 GB of temporaries).
 _CHUNK_ELEMENTS = 1 << 25
+_MAX_TEMPERATURE = 1e30
 
 
 @dataclass
@@ -44,8 +45,10 @@ class SamplingTensors:
         all_greedy = all(p.greedy for p in params)
         u = uniforms(seeds, positions) if not all_greedy else [0.5] * len(params)
         return cls(
-            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32,
-                                     device=device),
+            # NOTE: capped where fp32 still holds it (a temperature past 3.4e38 would be inf,
+            # and a banned token's -inf / inf is NaN); at 1e30 every row is uniform anyway.
+            temperature=torch.tensor([min(p.temperature, _MAX_TEMPERATURE) for p in params],
+                                     dtype=torch.float32, device=device),
             top_k=torch.tensor(top_k, dtype=torch.int64, device=device),
             # NOTE: a top_p below fp32's smallest normal would round to 0 and mask everything.
             top_p=torch.tensor([max(p.top_p, 1.2e-38) for p in params], dtype=torch.float32,
