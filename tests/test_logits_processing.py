@@ -17,14 +17,14 @@ EOS = (11,)
 
 
 def reference(logits: np.ndarray, prompt: list[int], output: list[int],
-              p: SamplingParams) -> np.ndarray:
+              p: SamplingParams, eos: tuple[int, ...] = EOS) -> np.ndarray:
     """vLLM's semantics, one row at a time: bias, min_tokens ban, repetition penalty over prompt
     and output, frequency and presence penalties over the output."""
     x = logits.astype(np.float64).copy()
     for tok, b in (p.logit_bias or {}).items():
         x[tok] += b
     if len(output) < p.min_tokens:
-        for tok in set(p.stop_token_ids) | (set() if p.ignore_eos else set(EOS)):
+        for tok in set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos)):
             x[tok] = -np.inf
     for tok in set(prompt) | set(output):
         x[tok] = x[tok] / p.repetition_penalty if x[tok] > 0 else x[tok] * p.repetition_penalty
@@ -159,3 +159,35 @@ def test_tiny_temperature_is_greedy(qwen3_path):
         out = llm.generate("def f(x):", SamplingParams(temperature=t, max_tokens=12,
                                                         ignore_eos=True))[0]
         assert out.token_ids == greedy.token_ids, t
+
+
+HF_CASES = [
+    dict(repetition_penalty=1.5),
+    dict(frequency_penalty=0.9, presence_penalty=0.4),
+    dict(logit_bias={7: 4.0, 100: 2.5}, repetition_penalty=0.8),
+    dict(min_tokens=6, stop_token_ids=[3], logit_bias={3: 30.0}),
+]
+
+
+@pytest.mark.parametrize("kw", HF_CASES, ids=range(len(HF_CASES)))
+def test_greedy_with_processors_matches_hf_reference_loop(qwen3_path, drafter16, hf_model, kw):
+    """End to end against a plain loop: HF transformers' forward over the whole sequence each
+    step, the numpy reference processing, argmax; with and without a drafter."""
+    hf = hf_model(qwen3_path)
+    prompt = [5, 17, 33, 17, 90]
+    p = SamplingParams(temperature=0, max_tokens=14, **kw)
+    eos = tuple(t for t in [hf.config.eos_token_id] if t is not None)
+    out: list[int] = []
+    with torch.no_grad():
+        while len(out) < p.max_tokens:
+            logits = hf(torch.tensor([prompt + out])).logits[0, -1].numpy()
+            x = reference(logits, prompt, out, p, eos)
+            tok = int(np.argmax(x))
+            out.append(tok)
+            if len(out) >= p.min_tokens and (tok in eos or tok in p.stop_token_ids):
+                break
+    for draft in (None, str(drafter16)):
+        llm = LLM(str(qwen3_path), device="cpu", num_kv_blocks=64, draft=draft)
+        assert llm.generate([prompt], p)[0].token_ids == out, draft
+    if kw.get("min_tokens"):
+        assert len(out) == 7 and out[-1] == 3  # the bias makes 3 win as soon as it may

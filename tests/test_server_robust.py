@@ -235,3 +235,30 @@ def test_sampling_fields_equal_with_and_without_a_drafter(tc, spec_tc, fields):
     got, _ = streamed(spec_tc.post(C, json={**body, "stream": True}))
     assert [got[i] for i in range(len(plain))] == plain
     assert idle(spec_tc)
+
+
+def test_a_dead_engine_stops_the_server():
+    """`blockspec serve` must not stay up answering 503 forever: the watchdog stops uvicorn
+    once the engine thread dies (cmd_serve then exits with status 1)."""
+    import threading
+    from types import SimpleNamespace
+
+    from blockspec.server.cli import _exit_when_engine_dies
+
+    engine, server = SimpleNamespace(died=threading.Event()), SimpleNamespace(should_exit=False)
+    watchdog = threading.Thread(target=_exit_when_engine_dies, args=(engine, server))
+    watchdog.start()
+    assert not server.should_exit
+    engine.died.set()
+    watchdog.join(timeout=30)
+    assert server.should_exit and not watchdog.is_alive()
+
+
+def test_engine_thread_death_sets_died(qwen3_path, monkeypatch):
+    eng = make_engine(qwen3_path)
+    monkeypatch.setattr(eng, "step", lambda: (_ for _ in ()).throw(RuntimeError("CUDA error")))
+    app = build_app(eng, MODEL)
+    with TestClient(app) as client:
+        client.post(C, json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2})
+        assert app.state.engine.died.wait(timeout=30)
+        assert client.get("/health").status_code == 503
