@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from fast_path import git_commit  # noqa: E402
 from linear_sweep import graph_ms  # noqa: E402
 
+from blockspec.bench.common import recorded_command
 from blockspec.layers.attention import AttentionMetadata  # noqa: E402
 from blockspec.layers.triton_attention import (  # noqa: E402
     TritonAttentionBackend,
@@ -64,7 +65,7 @@ def main() -> int:
     args = ap.parse_args()
     dev = torch.device("cuda")
     res: dict = {"benchmark": "attention_splits: Triton paged attention, 36 layers, batch 1",
-                 "command": "python benchmarks/attention_splits.py " + " ".join(sys.argv[1:]),
+                 "command": recorded_command("benchmarks/attention_splits.py"),
                  "device": torch.cuda.get_device_name(), "torch": torch.__version__,
                  "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
                      timespec="seconds"), "commit": git_commit(), "cases": []}

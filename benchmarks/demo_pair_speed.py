@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from fast_path import git_commit, merge_latest, pool_runs, timed_generate  # noqa: E402
 
 from blockspec import LLM  # noqa: E402
+from blockspec.bench.common import recorded_command
 from blockspec.demo import demo_drafter, demo_target  # noqa: E402
 from blockspec.train.cli import load_prompts  # noqa: E402
 
@@ -64,7 +65,7 @@ def main() -> int:
     levels = [int(c) for c in a.concurrency.split(",")]
     res: dict = {
         "benchmark": "demo pair speed (issue 6): DFlash block 16, real acceptance, greedy",
-        "command": "python benchmarks/demo_pair_speed.py " + " ".join(sys.argv[1:]),
+        "command": recorded_command("benchmarks/demo_pair_speed.py"),
         "device": torch.cuda.get_device_name() if a.device == "cuda" else a.device,
         "torch": torch.__version__,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -31,6 +31,7 @@ from pathlib import Path
 import torch
 
 from blockspec import LLM, SamplingParams
+from blockspec.bench.common import recorded_command
 from blockspec.bench.offline import run_requests
 from blockspec.config import ModelConfig
 from blockspec.spec.checkpoint import new_drafter_config
@@ -260,7 +261,7 @@ def main() -> int:
     res: dict = {
         "benchmark": "fast_path (issue 4): Qwen3-8B-shape target + 5-layer DFlash drafter, "
                      "random bf16 weights, synthetic acceptance (labelled)",
-        "command": "python benchmarks/fast_path.py " + " ".join(sys.argv[1:]),
+        "command": recorded_command("benchmarks/fast_path.py"),
         "device": torch.cuda.get_device_name(), "torch": torch.__version__,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "input_len": INPUT_LEN, "output_len": OUTPUT_LEN, "synthetic_acceptance": args.acceptance,

@@ -47,6 +47,7 @@ from fast_path import (  # noqa: E402
 )
 from linear_sweep import graph_ms, sweep  # noqa: E402
 
+from blockspec.bench.common import recorded_command
 from blockspec.layers.linear import linear  # noqa: E402
 
 C, BLOCK = 32, 16
@@ -169,7 +170,7 @@ def main() -> int:
         "benchmark": "fast_path_ceiling (issue 4): matmul-only lower bounds, Qwen3-8B-shape "
                      "target + 5-layer DFlash drafter, random bf16 weights, synthetic acceptance "
                      "(labelled)",
-        "command": "python benchmarks/fast_path_ceiling.py " + " ".join(sys.argv[1:]),
+        "command": recorded_command("benchmarks/fast_path_ceiling.py"),
         "device": torch.cuda.get_device_name(), "torch": torch.__version__,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": git_commit(), "acceptance": args.acceptance, "concurrency": C,

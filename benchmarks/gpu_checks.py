@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from blockspec import LLM, SamplingParams
+from blockspec.bench.common import recorded_command
 from blockspec.layers import fused, linear
 from blockspec.layers.attention import AttentionMetadata, TorchAttentionBackend
 from blockspec.layers.triton_attention import TritonAttentionBackend
@@ -140,7 +141,7 @@ def main() -> int:
     from fast_path import git_commit
 
     report: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                    "command": "python benchmarks/gpu_checks.py " + " ".join(sys.argv[1:]),
+                    "command": recorded_command("benchmarks/gpu_checks.py"),
                     "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
                         timespec="seconds"), "commit": git_commit()}
     ok = True

@@ -32,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from fast_path import git_commit  # noqa: E402
 
 from blockspec import LLM, SamplingParams
+from blockspec.bench.common import recorded_command
 from blockspec.engine import decode_step
 from blockspec.spec.checkpoint import build_random_drafter
 from blockspec.spec.policy import StepCostModel
@@ -118,7 +119,7 @@ def main() -> int:
     torch.set_num_threads(1)
     forwards = stub_decode_steps()
     res = {"benchmark": "host_overhead: engine host time per all-decode step, model work stubbed",
-           "command": "python benchmarks/host_overhead.py " + " ".join(sys.argv[1:]),
+           "command": recorded_command("benchmarks/host_overhead.py"),
            "machine": f"{platform.processor() or platform.machine()}, {platform.python_version()}",
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "commit": git_commit(), "concurrency": args.concurrency,

@@ -45,6 +45,7 @@ from fast_path import git_commit, timed_generate  # noqa: E402
 from policy_sweep import WARMUP_TOKENS, Setup, lazy_counts  # noqa: E402
 
 from blockspec import LLM  # noqa: E402
+from blockspec.bench.common import recorded_command
 from blockspec.engine.cost_profile import _fill_buffers, replay_seconds  # noqa: E402
 
 PARTS = ("schedule", "runner_host", "device_wait", "postprocess")
@@ -183,6 +184,13 @@ def adjacency(tables: torch.Tensor) -> float:
     return float((steps & live).sum() / max(1, int(live.sum())))
 
 
+def called(prof: cProfile.Profile, names: tuple[str, ...]) -> list[str]:
+    """Which of `names` (function names) the profile saw called at all: unlike the top-N
+    listing, this does not depend on how long anything took."""
+    seen = {func for _, _, func in pstats.Stats(prof).stats}
+    return sorted(n for n in names if n in seen)
+
+
 def top_functions(prof: cProfile.Profile, n: int = 25) -> list[str]:
     s = io.StringIO()
     pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(n)
@@ -240,7 +248,7 @@ def main() -> int:
     gc.freeze()  # NOTE: as policy_sweep does (a serving process after start-up)
     seeds = iter(range(20_000, 10**9, 7919))
     res = {"benchmark": f"plain_ab: adaptive vs {ref}, paired runs",
-           "command": "python benchmarks/plain_ab.py " + " ".join(sys.argv[1:]),
+           "command": recorded_command("benchmarks/plain_ab.py"),
            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
            "torch": torch.__version__, "commit": git_commit(),
            "date": datetime.date.today().isoformat(), "concurrency": c,
@@ -322,12 +330,14 @@ def main() -> int:
             f"{lay} {v:.3f} ms" if v is not None else f"{lay} -" for lay, v in by.items())
             + f"; its last run's block-table adjacency {res['table_adjacency'][name]}",
             flush=True)
-    res["profiles"] = {}
+    res["profiles"], res["profiled_steps"] = {}, {}
     for name in engines:
         llm = use(name, 2)
         clocks[name].profile = cProfile.Profile()
         timed_generate(llm, setup.prompts(c, next(seeds)), out_len)
         res["profiles"][name] = top_functions(clocks[name].profile)
+        res["profiled_steps"][name] = called(clocks[name].profile,
+                                             ("_execute_decode", "_execute_mixed"))
         clocks[name].profile = None
         clocks[name].take()
     gc.unfreeze()

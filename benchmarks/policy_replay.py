@@ -32,9 +32,9 @@ import argparse
 import json
 import random
 import statistics
-import sys
 from pathlib import Path
 
+from blockspec.bench.common import recorded_command
 from blockspec.engine.speculation import SpecController
 from blockspec.spec.drain import Drain
 from blockspec.spec.policy import StepCostModel
@@ -191,7 +191,7 @@ def main() -> int:
     if args.out:
         Path(args.out).write_text(json.dumps(
             {"kind": "SIMULATION (modelled step times, not a measurement)",
-             "command": "python benchmarks/policy_replay.py " + " ".join(sys.argv[1:]),
+             "command": recorded_command("benchmarks/policy_replay.py"),
              "source": args.source, "noise": args.noise, "rounds": args.rounds,
              "cells": table, **summary}, indent=2) + "\n")
     return 0

@@ -57,6 +57,7 @@ from fast_path import (  # noqa: E402
 from policy_report import CONFIGS, plot, summarize  # noqa: E402
 
 from blockspec import LLM  # noqa: E402
+from blockspec.bench.common import recorded_command
 from blockspec.engine.cost_profile import (  # noqa: E402
     measure_costs,
     profile_buckets,
@@ -230,7 +231,7 @@ def main() -> int:
                      + ("SMOKE (CPU, tiny random models)" if args.smoke else
                         "Qwen3-8B-shape target + 5-layer DFlash drafter, random bf16 weights")
                      + ", synthetic acceptance (labelled)",
-        "command": "python benchmarks/policy_sweep.py " + " ".join(sys.argv[1:]),
+        "command": recorded_command("benchmarks/policy_sweep.py"),
         "device": "cpu" if args.smoke else torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -36,6 +36,7 @@ if "TRITON_INTERPRET" not in os.environ:  # NOTE: before blockspec imports trito
 import httpx  # noqa: E402
 import torch  # noqa: E402
 
+from blockspec.bench.common import recorded_command
 from blockspec.config import EngineConfig  # noqa: E402
 from blockspec.engine.llm_engine import LLMEngine  # noqa: E402
 from blockspec.server.api import build_app  # noqa: E402
@@ -139,7 +140,7 @@ def main() -> int:
     report: dict = {
         "benchmark": "soak_server: OpenAI-compatible server under concurrent streaming load with "
                      "client cancellations (tiny random Qwen3, CPU, loopback)",
-        "command": "python benchmarks/soak_server.py " + " ".join(sys.argv[1:]),
+        "command": recorded_command("benchmarks/soak_server.py"),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                     "python": platform.python_version(), "torch": torch.__version__,

@@ -88,7 +88,7 @@ def run_file_with_triton_interpreter(path: str) -> None:
     at import), for when this process imported Triton before the variable was set."""
     env = dict(os.environ, TRITON_INTERPRET="1")
     cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", path]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-5000:]
     assert "fresh process instead" not in proc.stdout  # the Triton cases really ran there
 

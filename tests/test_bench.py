@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import socket
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -374,19 +376,22 @@ def fake_server():
     srv.server_close()
 
 
-def test_bench_serve_completions(fake_server, tmp_path, capsys):
+def test_bench_serve_completions(fake_server, tmp_path, capsys, monkeypatch):
     out = tmp_path / "serve.json"
     data = write_jsonl(tmp_path / "p.jsonl", [{"prompt": f"p{i}"} for i in range(5)]
                        + [{"prompt": "FAIL here"}])
-    rc, stdout, err = run_cli(["serve", "--base-url", fake_server.url + "/v1/",
-                               "--concurrency", "1,3", "--num-prompts", "6", "--dataset",
-                               str(data), "--output-len", "5", "--ignore-eos", "--api-key",
-                               "sekrit", "--out", str(out)], capsys)
+    argv = ["serve", "--base-url", fake_server.url + "/v1/", "--concurrency", "1,3",
+            "--num-prompts", "6", "--dataset", str(data), "--output-len", "5", "--ignore-eos",
+            "--api-key", "sekrit", "--out", str(out)]
+    # NOTE: the results record the process's own command line: make it this one
+    monkeypatch.setattr(sys, "argv", ["blockspec", "bench", *argv])
+    rc, stdout, err = run_cli(argv, capsys)
     assert rc == 0, err
     assert "2 request(s) failed" in err
     res = json.loads(out.read_text())
     assert res["kind"] == "serve" and res["config"]["model"] == "fake-model"
     assert "sekrit" not in out.read_text() and fake_server.auth == {"Bearer sekrit"}
+    assert "--api-key '<redacted>'" in res["environment"]["command"]
     assert fake_server.max_in_flight == 3  # reached C=3, never more
     body = fake_server.bodies[-1]
     assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
@@ -519,3 +524,18 @@ def test_fast_path_decode_phase(qwen3_path, monkeypatch):
     fast_path.summarize(res)
     assert "| DFlash / AR | 4.00x" in res["table_md"]
     assert "| DFlash / AR, decode phase only | 5.00x" in res["table_md"]
+
+
+def test_recorded_command_lines_carry_no_secrets(monkeypatch):
+    from blockspec.bench.common import args_config, environment, redact_argv
+
+    monkeypatch.setenv("BLOCKSPEC_API_KEY", "env-secret-1")
+    argv = ["blockspec", "bench", "serve", "--api-key", "k1", "--api-key=k2", "--label",
+            "run env-secret-1", "--api-keys-file", "x"]
+    assert redact_argv(argv) == ["blockspec", "bench", "serve", "--api-key", "<redacted>",
+                                 "--api-key=<redacted>", "--label", "run <redacted>",
+                                 "--api-keys-file", "x"]
+    monkeypatch.setattr(sys, "argv", argv)
+    recorded = json.dumps([environment(), args_config(argparse.Namespace(
+        api_key="k1", label="run env-secret-1"))])
+    assert not any(s in recorded for s in ("k1", "k2", "env-secret-1"))

@@ -169,7 +169,7 @@ def test_policy_sweep_smoke(tmp_path):
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "policy_sweep.py"),
                            "--smoke", "--c1-repeats", "2", "--out-dir", str(tmp_path)],
                           env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=240)
+                          capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads((tmp_path / "policy_sweep.json").read_text())
     assert set(res["plain"]) == {"C=1", "C=4"}
@@ -244,7 +244,7 @@ def test_plain_ab_smoke(tmp_path):
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "plain_ab.py"), "--smoke",
                            "--pairs", "2", "--between", "4", "--out-dir", str(tmp_path)],
                           env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=240)
+                          capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads((tmp_path / "plain_ab.json").read_text())
     assert len(res["pairs"]) == 2 and (res["concurrency"], res["output_len"]) == (8, 16)
@@ -263,9 +263,10 @@ def test_plain_ab_smoke(tmp_path):
     assert set(res["parts_diff_ms"]) == {"schedule", "runner_host", "device_wait",
                                          "postprocess", "wall"}
     assert set(res["prefill_parts_diff_ms"]) == set(res["parts_diff_ms"])
-    for lines in res["profiles"].values():
-        assert any("_execute_decode" in line for line in lines)
-        assert not any("_execute_mixed" in line for line in lines)  # decode steps only
+    # NOTE: which step functions ran under the profiler, not the top-N listing (the order by
+    # own time depends on the machine's load)
+    assert set(res["profiles"]) == {"plain", "adaptive"}
+    assert res["profiled_steps"] == {name: ["_execute_decode"] for name in res["profiles"]}
     # The replay probe needs CUDA graphs (None here); each engine's last run's block tables
     # were kept, and their adjacency is a share.
     assert res["replay_ms"] == {name: {"contiguous": None, "real": None, "scattered": None}
@@ -275,7 +276,7 @@ def test_plain_ab_smoke(tmp_path):
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "plain_ab.py"), "--smoke",
                            "--pairs", "2", "--reference", "fixed:4", "--out-dir",
                            str(tmp_path / "fixed")], env=env, cwd=REPO,
-                          capture_output=True, text=True, timeout=240)
+                          capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads((tmp_path / "fixed" / "plain_ab.json").read_text())
     assert res["reference"] == "fixed 4" and set(res["profiles"]) == {"fixed 4", "adaptive"}
@@ -306,7 +307,7 @@ def test_host_overhead_benchmark(tmp_path):
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "host_overhead.py"),
                            "--concurrency", "8", "--output-len", "12", "--repeats", "1",
                            "--out", str(out)], env=env, cwd=REPO, capture_output=True,
-                          text=True, timeout=240)
+                          text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads(out.read_text())
     assert set(res["modes"]) == {"plain", "adaptive-plain", "fixed4", "adaptive-spec"}

@@ -262,3 +262,22 @@ def test_engine_thread_death_sets_died(qwen3_path, monkeypatch):
         client.post(C, json={"model": MODEL, "prompt": PROMPT, "max_tokens": 2})
         assert app.state.engine.died.wait(timeout=30)
         assert client.get("/health").status_code == 503
+
+
+def test_serve_checks_the_bind_before_loading(capsys):
+    """A port in use, or a host that does not resolve, is one error line and status 2, before
+    any model is loaded (a folder that does not exist is never looked at)."""
+    import socket
+
+    from blockspec.cli import main
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        for host, port_, words in (("127.0.0.1", port, "cannot listen on 127.0.0.1"),
+                                   ("no-such-host.invalid", 8000, "does not resolve")):
+            assert main(["serve", "--model", "/nonexistent/model", "--host", host,
+                         "--port", str(port_)]) == 2
+            err = capsys.readouterr().err.strip().splitlines()
+            assert len(err) == 1 and err[0].startswith("blockspec: error:") and words in err[0]

@@ -18,8 +18,34 @@ from blockspec.config import ConfigError
 
 SCHEMA = "blockspec.bench/1"
 DEFAULT_CONCURRENCY = "1,2,4,8,16,32,64,128,256"
-# Argument names never written to a result file.
+# Argument names never written to a result file, and the flags and environment variables that
+# carry them.
 _SECRET_ARGS = {"api_key"}
+_SECRET_FLAGS = ("--api-key",)
+_SECRET_ENV = ("BLOCKSPEC_API_KEY", "OPENAI_API_KEY")
+REDACTED = "<redacted>"
+
+
+def redact_argv(argv: list[str]) -> list[str]:
+    """A command line as it may be recorded: the values of secret flags (`--api-key K`,
+    `--api-key=K`) and any secret environment variable's value replaced by <redacted>."""
+    secrets = [v for v in (os.environ.get(name) for name in _SECRET_ENV) if v]
+    out: list[str] = []
+    hide_next = False
+    for arg in argv:
+        if hide_next:
+            out.append(REDACTED)
+            hide_next = False
+            continue
+        flag, eq, _ = arg.partition("=")
+        if flag in _SECRET_FLAGS:
+            out.append(f"{flag}={REDACTED}" if eq else arg)
+            hide_next = not eq
+            continue
+        for secret in secrets:
+            arg = arg.replace(secret, REDACTED)
+        out.append(arg)
+    return out
 
 
 def parse_concurrency(text: str) -> list[int]:
@@ -53,6 +79,11 @@ def check_lengths(input_len: int | None, output_len: int) -> None:
         raise ConfigError("--input-len must be positive")
 
 
+def recorded_command(script: str) -> str:
+    """How a benchmark script was run, as its results record it (secrets redacted)."""
+    return f"python {script} " + shlex.join(redact_argv(sys.argv[1:]))
+
+
 def _git_commit() -> str | None:
     try:
         return subprocess.check_output(
@@ -70,7 +101,7 @@ def environment() -> dict[str, Any]:
         "platform": platform.platform(),
         "python": platform.python_version(),
         "cpu_count": os.cpu_count(),
-        "command": shlex.join(sys.argv),
+        "command": shlex.join(redact_argv(sys.argv)),
         "commit": _git_commit(),
     }
     for pkg in ("blockspec", "torch", "transformers", "httpx"):
@@ -96,7 +127,9 @@ def args_config(args: Any) -> dict[str, Any]:
         if callable(value):
             continue
         if key in _SECRET_ARGS and value:
-            value = "<redacted>"
+            value = REDACTED
+        elif isinstance(value, str):
+            value = redact_argv([value])[0]
         out[key] = value if isinstance(value, (str, int, float, bool, type(None))) else str(value)
     return out
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import sys
 import threading
 from collections.abc import Callable
@@ -48,6 +49,7 @@ def cmd_serve(args: argparse.Namespace, engine_kwargs: Callable[[argparse.Namesp
 
     if not 0 <= args.port < 65536:
         raise ConfigError(f"--port must be in [0, 65535], got {args.port}")
+    check_bind(args.host, args.port)  # NOTE: before loading a model that may take minutes
     model = resolve_model(args)  # NOTE: first: it may pick the demo pair's drafter
     kwargs = engine_kwargs(args)
     # NOTE: synthetic acceptance changes the output; it is benchmark-only and never served.
@@ -76,6 +78,23 @@ def cmd_serve(args: argparse.Namespace, engine_kwargs: Callable[[argparse.Namesp
               f"{engine_thread.error}", file=sys.stderr)
         return 1
     return 0
+
+
+def check_bind(host: str, port: int) -> None:
+    """Raises ConfigError when the server could not listen on host:port (a name that does not
+    resolve, an address not on this machine, a port in use or not allowed)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as e:
+        raise ConfigError(f"--host {host!r} does not resolve: {e}") from None
+    family, kind, proto, _, addr = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        # NOTE: as uvicorn binds (SO_REUSEADDR): a port in TIME_WAIT is free, one in use is not
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(addr)
+        except OSError as e:
+            raise ConfigError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
 def _exit_when_engine_dies(engine: Any, server: Any) -> None:
