@@ -41,7 +41,7 @@ def make_llm(target: str, drafter: str | None, policy: str = "fixed", device: st
 
 def run(llm: LLM, prompts: list[str], out_len: int = OUTPUT_LEN) -> tuple[dict, list[list[int]]]:
     r, outs = timed_generate(llm, prompts, out_len)
-    spec = [o.metrics.spec for o in outs if o.metrics.spec.num_steps]
+    spec = [o.metrics.spec for o in outs if o.metrics.spec and o.metrics.spec.num_steps]
     r["block_len_steps"] = dict(sum((Counter(s.block_len_steps) for s in spec), Counter()))
     return r, [list(o.token_ids) for o in outs]
 

@@ -157,7 +157,8 @@ def timed_generate(llm: LLM, prompts: list, out_len: int) -> tuple[dict, list]:
     timings = llm.engine.timings.copy()
     timings.add(before, sign=-1)
     tokens = sum(len(o.token_ids) for o in outs)
-    taus = [o.metrics.spec.mean_acceptance_length for o in outs if o.metrics.spec.num_steps]
+    taus = [o.metrics.spec.mean_acceptance_length for o in outs
+            if o.metrics.spec and o.metrics.spec.num_steps]
     return ({"output_tok_s": tokens / dt, "elapsed_s": dt, "output_tokens": tokens,
              "mean_tpot_ms": 1e3 * sum(o.metrics.tpot for o in outs) / len(outs),
              "mean_ttft_ms": 1e3 * sum(o.metrics.ttft for o in outs) / len(outs),

@@ -281,3 +281,41 @@ def test_serve_checks_the_bind_before_loading(capsys):
                          "--port", str(port_)]) == 2
             err = capsys.readouterr().err.strip().splitlines()
             assert len(err) == 1 and err[0].startswith("blockspec: error:") and words in err[0]
+
+
+# -- logs ------------------------------------------------------------------------------------------
+def test_request_log_line(qwen3_path, caplog):
+    eng = make_engine(qwen3_path)
+    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 5, "ignore_eos": True}
+    for log_requests in (True, False):
+        caplog.clear()
+        with caplog.at_level("INFO", logger="blockspec.server"), \
+                TestClient(build_app(eng, MODEL, log_requests=log_requests)) as client:
+            assert client.post(C, json=body).status_code == 200
+        lines = [r.getMessage() for r in caplog.records if "finished:" in r.getMessage()]
+        if not log_requests:
+            assert lines == []
+            continue
+        assert len(lines) == 1
+        line = lines[0]
+        assert re.match(r"request cmpl-\w+ finished: prompt \d+, output 5 tokens, TTFT [\d.]+ ms, "
+                        r"[\d.]+ tok/s, finish_reason length, status ok$", line), line
+
+
+def test_stats_log_line():
+    from blockspec.server.engine_stats import EngineStats
+    from blockspec.server.logs import StatsLogger
+
+    log = StatsLogger(interval=10.0)
+    idle = EngineStats(num_blocks=100)
+    busy = EngineStats(num_running=3, num_waiting=1, num_used_blocks=25, num_blocks=100,
+                       num_prompt_tokens=2000, num_generation_tokens=500, spec_verify_steps=50,
+                       spec_accepted_tokens=100)
+    assert log.tick(idle, now=0.0) is None
+    assert log.tick(busy, now=5.0) is None  # not yet an interval
+    line = log.tick(busy, now=10.0)
+    assert line == ("engine: 3 running, 1 waiting, KV cache 25.0%, prompt 200.0 tok/s, "
+                    "generation 50.0 tok/s, acceptance length 3.00")
+    assert log.tick(busy, now=15.0) is None
+    assert log.tick(idle, now=25.0).startswith("engine: 0 running, 0 waiting")  # went idle
+    assert log.tick(idle, now=50.0) is None  # idle stays quiet

@@ -96,7 +96,8 @@ def run_requests(engine: LLMEngine, prompts: list[list[int]], params: SamplingPa
                     output_tokens=len(out.token_ids), ttft=m.ttft,
                     latency=(m.finished_time - m.arrival_time) if m.finished_time else None,
                     itl=itl, error=None if out.finish_reason != "abort" else "aborted"))
-                spec.merge(m.spec)
+                if m.spec is not None:
+                    spec.merge(m.spec)
                 bar.update(1)
             top_up()
     finally:

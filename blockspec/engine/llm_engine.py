@@ -183,6 +183,8 @@ class LLMEngine:
             else derive_seed(self.config.seed, next(self._seed_counter))
         seq = Sequence(request_id, ids, params, max_tokens, eos_token_ids=self.eos_token_ids,
                        sampling_seed=seed)
+        if self.runner.proposer is not None:
+            seq.metrics.spec = SpecStats()
         self.outputs.add(request_id, EngineRequest(
             seq, prompt if isinstance(prompt, str) else None,
             IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens),

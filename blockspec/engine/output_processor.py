@@ -39,6 +39,10 @@ class OutputProcessor:
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.requests: dict[str, EngineRequest] = {}
+        # Engine-wide totals (the server's periodic stats line): prompt tokens of requests whose
+        # prefill finished (less prefix-cache hits), and generated tokens.
+        self.num_prompt_tokens = 0
+        self.num_generation_tokens = 0
         # Live requests that report every step (output_kind other than "final_only").
         self.num_reporting = 0
 
@@ -55,6 +59,8 @@ class OutputProcessor:
         metrics, out_ids = seq.metrics, seq.output_token_ids
         if metrics.first_token_time is None:
             metrics.first_token_time = now
+            self.num_prompt_tokens += metrics.num_prompt_tokens - metrics.num_cached_tokens
+        self.num_generation_tokens += len(tokens)
         # NOTE: a sequence ends by length here at the latest (the context's end, or max_tokens)
         end = min(seq.max_tokens, self.max_model_len - len(seq.prompt_token_ids))
         for tok, lp in zip(tokens, logprobs):

@@ -26,7 +26,7 @@ class RequestMetrics:
     num_generated_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (first schedule)
     num_preemptions: int = 0
-    spec: SpecStats = field(default_factory=SpecStats)  # empty without a drafter
+    spec: SpecStats | None = None  # a speculative engine's requests only
 
     @property
     def ttft(self) -> float | None:

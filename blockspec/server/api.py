@@ -15,10 +15,12 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from blockspec.config import ConfigError, EngineConfig
 from blockspec.engine.llm_engine import LLMEngine
+from blockspec.outputs import RequestOutput
 from blockspec.server.async_engine import AsyncEngine
 from blockspec.server.body import MAX_BODY_BYTES, parse_body
 from blockspec.server.errors import APIError, install_error_handlers
 from blockspec.server.extra_routes import UtilityRoutes, server_version
+from blockspec.server.logs import RequestLogger, StatsLogger
 from blockspec.server.metrics import RefusedRequestsMiddleware, ServerMetrics
 from blockspec.server.openapi import SchemaBook
 from blockspec.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -51,8 +53,11 @@ class APIKeyMiddleware:
 
 
 def build_app(engine_or_config: LLMEngine | EngineConfig, served_model_name: str,
-              api_key: str | None = None) -> FastAPI:
-    """The engine thread starts and stops with the app's lifespan (uvicorn runs it)."""
+              api_key: str | None = None, log_requests: bool = True,
+              log_stats_interval: float | None = 10.0) -> FastAPI:
+    """The engine thread starts and stops with the app's lifespan (uvicorn runs it).
+    `log_requests`: a log line per finished request; `log_stats_interval`: seconds between
+    engine stats lines while busy (None: none)."""
     config = engine_or_config.config if isinstance(engine_or_config, LLMEngine) \
         else engine_or_config
     if config.synthetic_acceptance is not None:
@@ -61,7 +66,15 @@ def build_app(engine_or_config: LLMEngine | EngineConfig, served_model_name: str
     engine = engine_or_config if isinstance(engine_or_config, LLMEngine) \
         else LLMEngine(config)
     metrics = ServerMetrics(lambda: async_engine.stats)  # NOTE: late-bound, defined next line
-    async_engine = AsyncEngine(engine, on_finished=metrics.on_finished)
+    hooks = [metrics.on_finished] + ([RequestLogger().on_finished] if log_requests else [])
+    stats_log = StatsLogger(log_stats_interval) if log_stats_interval else None
+
+    def on_finished(out: RequestOutput) -> None:
+        for hook in hooks:
+            hook(out)
+
+    async_engine = AsyncEngine(engine, on_finished=on_finished,
+                               on_iteration=stats_log.tick if stats_log else None)
     serving = OpenAIServing(async_engine, served_model_name)
 
     @asynccontextmanager

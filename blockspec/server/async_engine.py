@@ -62,10 +62,14 @@ class _Stop:
 
 class AsyncEngine:
     def __init__(self, engine: LLMEngine,
-                 on_finished: Callable[[RequestOutput], None] | None = None) -> None:
+                 on_finished: Callable[[RequestOutput], None] | None = None,
+                 on_iteration: Callable[[EngineStats], None] | None = None) -> None:
+        """`on_finished(output)` runs once per finished request, `on_iteration(stats)` after
+        every engine iteration; both on the engine thread (keep them cheap)."""
         self.engine = engine
         self.stats = EngineStats(num_blocks=engine.block_manager.num_blocks)
         self._on_finished = on_finished
+        self._on_iteration = on_iteration
         self._ops: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}  # NOTE: engine thread only
         self._lock = threading.Lock()  # guards _accepting/_closed against the thread's exit
@@ -272,6 +276,11 @@ class AsyncEngine:
 
     def _publish(self) -> None:
         self.stats = EngineStats.of(self.engine, self.num_step_failures)
+        if self._on_iteration is not None:
+            try:
+                self._on_iteration(self.stats)
+            except Exception:
+                logger.exception("on_iteration hook failed")
 
     def _close(self) -> None:
         """Fail whatever is still waiting on this thread; nothing can be queued after this."""

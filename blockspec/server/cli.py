@@ -31,6 +31,12 @@ def add_serve_parser(subparsers: Any,
                    help="model id clients send as `model` (default: the model folder's name)")
     s.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
+    s.add_argument("--disable-log-requests", action="store_true",
+                   help="no log line per finished request (id, tokens, TTFT, tok/s, acceptance "
+                        "length, finish reason, status)")
+    s.add_argument("--disable-log-stats", action="store_true",
+                   help="no periodic engine stats line (running, waiting, KV use, tok/s, "
+                        "acceptance length) while busy")
     p.set_defaults(func=_serve_with_shared_helpers)
 
 
@@ -58,7 +64,9 @@ def cmd_serve(args: argparse.Namespace, engine_kwargs: Callable[[argparse.Namesp
     kwargs.pop("benchmark_mode", None)
     engine = LLMEngine(EngineConfig(model=model, **kwargs))
     name = args.served_model_name or Path(model.rstrip("/")).name or model
-    app = build_app(engine, name, api_key=args.api_key)
+    app = build_app(engine, name, api_key=args.api_key,
+                    log_requests=not args.disable_log_requests,
+                    log_stats_interval=None if args.disable_log_stats else 10.0)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     auth = "API key required" if args.api_key else "no API key"
     print(f"[blockspec] serving {name!r} ({model}) on http://{args.host}:{args.port}/v1 "

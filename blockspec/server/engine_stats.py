@@ -24,6 +24,8 @@ class EngineStats:
     spec_accepted_per_position: tuple[int, ...] = ()
     spec_block_len_steps: tuple[tuple[int, int], ...] = ()  # (block length, engine steps)
     num_step_failures: int = 0  # engine steps that raised (their requests failed, see _iterate)
+    num_prompt_tokens: int = 0  # prompt tokens prefilled (prefix-cache hits left out), in all
+    num_generation_tokens: int = 0  # tokens generated, in all
 
     @classmethod
     def of(cls, eng: LLMEngine, num_step_failures: int = 0) -> EngineStats:
@@ -39,4 +41,6 @@ class EngineStats:
             spec_drafted_per_position=tuple(spec.drafted_per_position),
             spec_accepted_per_position=tuple(spec.accepted_per_position),
             spec_block_len_steps=tuple(sorted(spec.block_len_steps.items())),
-            num_step_failures=num_step_failures)
+            num_step_failures=num_step_failures,
+            num_prompt_tokens=eng.outputs.num_prompt_tokens,
+            num_generation_tokens=eng.outputs.num_generation_tokens)
