@@ -8,14 +8,16 @@ import sys
 import time
 from typing import Any
 
+from blockspec import __version__
 from blockspec.config import ConfigError
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None,
-                   help="HF model folder (config.json + safetensors + tokenizer). Default: a tiny "
-                        "random Qwen3 built offline and cached under ~/.cache/blockspec")
+                   help="HF model folder (config.json + safetensors + tokenizer). Default: the "
+                        "embedded demo pair (a 15.7M-parameter Python-code Qwen3 and its DFlash "
+                        "drafter; --draft none for the target alone)")
     g.add_argument("--device", choices=["cpu", "cuda"], default=None,
                    help="default: cuda when available, else cpu")
     g.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
@@ -98,27 +100,14 @@ def resolve_model(args: argparse.Namespace) -> str:
     """The model folder to run. Without --model: the embedded demo pair (target + its DFlash
     drafter, unless --draft is given or is `none`); in a checkout without the pair, a tiny
     random Qwen3. NOTE: may set args.draft, so call it before engine_kwargs(args)."""
-    no_draft = getattr(args, "draft", None) in ("none", "")
-    if no_draft:
-        args.draft = None
-    if args.model is not None:
-        return args.model
-    from blockspec.demo import demo_drafter, demo_target
+    from blockspec.demo import default_pair
 
-    target, drafter = demo_target(), demo_drafter()
-    if target is None:
-        from blockspec.tiny import default_demo_model
-
-        path = default_demo_model()
-        print(f"[blockspec] no --model given and no demo pair in this install: using a tiny "
-              f"random model at {path} (random weights: expect gibberish)", file=sys.stderr)
-        return str(path)
-    if hasattr(args, "draft") and args.draft is None and not no_draft and drafter is not None:
-        args.draft = str(drafter)
-    with_draft = " + its DFlash drafter" if getattr(args, "draft", None) else ""
-    print(f"[blockspec] no --model given: using the demo pair (15.7M-parameter Python-code "
-          f"Qwen3{with_draft}) at {target.parent}", file=sys.stderr)
-    return str(target)
+    model, draft, note = default_pair(args.model, getattr(args, "draft", None))
+    if hasattr(args, "draft"):
+        args.draft = draft
+    if note:
+        print(f"[blockspec] {note}", file=sys.stderr)
+    return model
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -188,6 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="blockspec",
         description="LLM inference with block-diffusion speculative decoding (DFlash).")
+    parser.add_argument("--version", action="version", version=f"blockspec {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 

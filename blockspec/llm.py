@@ -3,24 +3,60 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import numbers
 from collections.abc import Sequence as Seq
 from typing import Any
 
 from tqdm.auto import tqdm
 
+from blockspec.chat import render_chat
 from blockspec.config import EngineConfig
+from blockspec.demo import default_pair
 from blockspec.engine.llm_engine import LLMEngine
 from blockspec.outputs import RequestOutput
 from blockspec.sampling_params import SamplingParams
 
 Prompt = str | list[int]
+logger = logging.getLogger("blockspec")
 
 
 class LLM:
-    def __init__(self, model: str, **engine_args: Any) -> None:
-        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
+    """An engine for offline generation, like vLLM's `LLM`.
+
+    `model`: an HF folder (config.json + safetensors + tokenizer); None: the embedded demo pair
+    (its DFlash drafter too, unless `draft` is given; `draft="none"`: the target alone).
+    Engine arguments (keywords, see `blockspec.EngineConfig`; vLLM's names):
+    `draft` (a DFlash drafter folder: speculative decoding), `block_size`, `block_sizes`,
+    `speculation_policy` ("adaptive" | "fixed"), `lazy_draft_context`, `cost_profile`,
+    `device` ("cpu" | "cuda"), `dtype`, `max_model_len`, `max_num_seqs`,
+    `max_num_batched_tokens`, `kv_block_size`, `kv_cache_memory_gb`, `num_kv_blocks`,
+    `gpu_memory_utilization`, `enable_prefix_caching`, `seed` (for requests without their own),
+    `enforce_eager`, `attention_backend`, `linear_backend`, `tokenizer`,
+    `load_format` ("dummy": random weights, benchmarks only).
+    """
+
+    def __init__(self, model: str | None = None, **engine_args: Any) -> None:
+        model, draft, note = default_pair(model, engine_args.pop("draft", None))
+        if note:
+            logger.warning(note)
+        self.engine = LLMEngine(EngineConfig(model=model, draft=draft, **engine_args))
         self.tokenizer = self.engine.tokenizer
+
+    def chat(
+        self,
+        messages: Seq[dict[str, Any]] | Seq[Seq[dict[str, Any]]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool | None = None,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Generates a reply for one conversation (a list of {"role", "content"} messages) or
+        for each of several, through the tokenizer's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) \
+            else list(messages)
+        prompts = [render_chat(self.tokenizer, list(c), add_generation_prompt)
+                   for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
 
     def generate(
         self,

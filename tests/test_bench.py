@@ -470,6 +470,7 @@ def test_bench_report_table_and_plot(tmp_path, capsys):
     assert "| DFlash b16 [SYNTHETIC acceptance a=0.86] | 4.50x | 2.00x | 1.20x | - |" in lines
     assert "| AR | 10.0 | 320 | 640 | 1280 |" in lines  # TTFT table
     assert png.stat().st_size > 10_000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"plot written to {png}" in err and f"table written to {md}" in err
     rc, stdout, _ = run_cli(["report", ar, "--columns", "all"], capsys)
     assert "| Config | C=1 | C=32 | C=64 | C=128 | C=256 | Peak |" in stdout
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -175,6 +176,8 @@ def run_report(args: argparse.Namespace) -> str:
     print(text, end="")
     if args.out:
         Path(args.out).write_text(text)
+        print(f"[blockspec] table written to {args.out}", file=sys.stderr)
     if args.plot:
         plot_sweep(results, labels, args.plot)
+        print(f"[blockspec] plot written to {args.plot}", file=sys.stderr)
     return text

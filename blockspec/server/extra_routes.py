@@ -20,7 +20,7 @@ from blockspec.server.body import read_body, validate_body
 from blockspec.server.errors import APIError
 from blockspec.server.openapi import SchemaBook
 from blockspec.server.protocol import ChatMessage
-from blockspec.server.serving import OpenAIServing, _render_chat
+from blockspec.server.serving import OpenAIServing, render_chat_on_engine
 from blockspec.server.stream import EngineUnavailableError
 
 
@@ -68,7 +68,7 @@ def _tokenize(eng: LLMEngine, req: TokenizeCompletionRequest | TokenizeChatReque
     the model (the chat form goes through the same template rendering as /v1/chat)."""
     if isinstance(req, TokenizeChatRequest):
         messages = [m.as_template_input() for m in req.messages]
-        return _render_chat(eng, messages, req.add_generation_prompt)
+        return render_chat_on_engine(eng, messages, req.add_generation_prompt)
     return list(eng.tokenizer.encode(req.prompt, add_special_tokens=req.add_special_tokens))
 
 

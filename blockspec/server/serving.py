@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from blockspec.chat import render_chat
 from blockspec.config import ConfigError
 from blockspec.engine.llm_engine import LLMEngine
 from blockspec.outputs import RequestOutput
@@ -122,7 +123,7 @@ class OpenAIServing:
         messages = [m.as_template_input() for m in req.messages]
         add_gen = req.add_generation_prompt is not False
         try:
-            ids = await self.engine.call(lambda eng: _render_chat(eng, messages, add_gen))
+            ids = await self.engine.call(lambda eng: render_chat_on_engine(eng, messages, add_gen))
         except EngineUnavailableError as e:
             raise unavailable(e) from None
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
@@ -162,13 +163,10 @@ class OpenAIServing:
                            streams)
 
 
-def _render_chat(engine: LLMEngine, messages: list[dict[str, str]], add_gen: bool) -> list[int]:
-    """Engine thread: the template's text already holds any BOS, so encode it without adding
-    special tokens (a second BOS would change the model's output)."""
-    tok = engine.tokenizer
+def render_chat_on_engine(engine: LLMEngine, messages: list[dict[str, str]],
+                          add_gen: bool) -> list[int]:
+    """Engine thread (the tokenizer must not race the engine's own detokenization)."""
     try:
-        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_gen)
-    except Exception as e:  # jinja raises for messages the template refuses (role order, ...)
-        raise APIError(f"the chat template rejected these messages: {e}",
-                       param="messages") from None
-    return list(tok.encode(text, add_special_tokens=False))
+        return render_chat(engine.tokenizer, messages, add_gen)
+    except ConfigError as e:
+        raise APIError(str(e), param="messages") from None

@@ -50,8 +50,10 @@ def add_train_parser(subparsers: Any) -> None:
 
     ev = subparsers.add_parser("eval-acceptance",
                                help="measure a drafter's acceptance length on prompts")
-    ev.add_argument("--model", required=True, help="target model folder")
-    ev.add_argument("--draft", required=True, help="DFlash drafter folder")
+    ev.add_argument("--model", default=None,
+                    help="target model folder (default: the embedded demo pair's target, and "
+                         "its drafter unless --draft is given)")
+    ev.add_argument("--draft", default=None, help="DFlash drafter folder")
     ev.add_argument("--prompts", required=True, help="JSONL: prompt | messages | text")
     ev.add_argument("--block-size", type=int, default=None)
     ev.add_argument("--max-tokens", type=int, default=256)
@@ -121,11 +123,15 @@ def load_prompts(path: str, tokenizer: Any, limit: int | None) -> list[str]:
 
 
 def _eval_acceptance(args: argparse.Namespace) -> int:
+    from blockspec.cli import resolve_model
     from blockspec.llm import LLM
     from blockspec.sampling_params import SamplingParams
 
+    model = resolve_model(args)
+    if args.draft is None:
+        raise ConfigError("eval-acceptance needs a drafter: give --draft")
     # NOTE: a fixed block: acceptance is measured at --block-size, not at policy-chosen lengths.
-    llm = LLM(args.model, draft=args.draft, block_size=args.block_size, device=args.device,
+    llm = LLM(model, draft=args.draft, block_size=args.block_size, device=args.device,
               speculation_policy="fixed")
     prompts = load_prompts(args.prompts, llm.tokenizer, args.num_prompts)
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.max_tokens))
