@@ -84,7 +84,7 @@ def recorded_command(script: str) -> str:
     return f"python {script} " + shlex.join(redact_argv(sys.argv[1:]))
 
 
-def _git_commit() -> str | None:
+def git_commit() -> str | None:
     try:
         return subprocess.check_output(
             ["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent, text=True,
@@ -102,7 +102,7 @@ def environment() -> dict[str, Any]:
         "python": platform.python_version(),
         "cpu_count": os.cpu_count(),
         "command": shlex.join(redact_argv(sys.argv)),
-        "commit": _git_commit(),
+        "commit": git_commit(),
     }
     for pkg in ("blockspec", "torch", "transformers", "httpx"):
         try:
