@@ -85,6 +85,10 @@ def recorded_command(script: str) -> str:
 
 
 def git_commit() -> str | None:
+    """HEAD of this checkout, or $BLOCKSPEC_COMMIT where set (a copied tree whose git metadata
+    is not its own, as on a lent GPU machine)."""
+    if os.environ.get("BLOCKSPEC_COMMIT"):
+        return os.environ["BLOCKSPEC_COMMIT"]
     try:
         return subprocess.check_output(
             ["git", "rev-parse", "HEAD"], cwd=Path(__file__).resolve().parent, text=True,
