@@ -34,7 +34,7 @@ from blockspec import LLM, SamplingParams
 from blockspec.bench.common import recorded_command
 from blockspec.bench.offline import run_requests
 from blockspec.config import ModelConfig
-from blockspec.spec.checkpoint import new_drafter_config
+from blockspec.dflash.checkpoint import new_drafter_config
 from blockspec.tiny import build_tokenizer
 
 QWEN3_8B = dict(
@@ -433,8 +433,8 @@ def write_latest(res: dict, path: Path) -> None:
 def hf_generate(target: Path) -> dict:
     from transformers import AutoModelForCausalLM
 
+    from blockspec.dflash.checkpoint import unfused_state_dict
     from blockspec.models.loader import build_model, init_dummy_weights
-    from blockspec.spec.checkpoint import unfused_state_dict
 
     cfg = ModelConfig.from_pretrained(target)
     ours = build_model(cfg, torch.bfloat16, "cuda")

@@ -23,10 +23,10 @@ import torch
 
 from blockspec import LLM, SamplingParams
 from blockspec.bench.common import recorded_command
+from blockspec.dflash.checkpoint import build_random_drafter
 from blockspec.layers import fused, linear
 from blockspec.layers.attention import AttentionMetadata, TorchAttentionBackend
 from blockspec.layers.triton_attention import TritonAttentionBackend
-from blockspec.spec.checkpoint import build_random_drafter
 from blockspec.tiny import build_tiny_model
 
 

@@ -33,9 +33,9 @@ from fast_path import git_commit  # noqa: E402
 
 from blockspec import LLM, SamplingParams
 from blockspec.bench.common import recorded_command
+from blockspec.dflash.checkpoint import build_random_drafter
 from blockspec.engine import decode_step
-from blockspec.spec.checkpoint import build_random_drafter
-from blockspec.spec.policy import StepCostModel
+from blockspec.policy.policy import StepCostModel
 from blockspec.tiny import build_tiny_model
 
 PARTS = ("schedule", "runner_host", "postprocess")

@@ -1,6 +1,7 @@
 """Replay the speculation policy on a modelled H200 (CPU, seconds). A SIMULATION, not a measurement.
 
-What it is for: checking a change to the policy (spec/policy.py, spec/drain.py, spec/overhead.py,
+What it is for: checking a change to the policy (policy/policy.py, policy/drain.py,
+policy/overhead.py,
 engine/speculation.py) against the decisions a policy_sweep run faced, before spending device time
 on it. What it models, from a policy_sweep JSON (`--from`):
   * step time = the run's start-up cost profile (graph replays, by block length and batch bucket)
@@ -36,8 +37,8 @@ from pathlib import Path
 
 from blockspec.bench.common import recorded_command
 from blockspec.engine.speculation import SpecController
-from blockspec.spec.drain import Drain
-from blockspec.spec.policy import StepCostModel
+from blockspec.policy.drain import Drain
+from blockspec.policy.policy import StepCostModel
 
 CONFIGS = ("plain", "fixed 4", "fixed 8", "fixed 16", "adaptive")
 

@@ -78,7 +78,7 @@ class Setup:
         self.cost_profile = cost_profile
         self.lazy_draft_context = lazy_draft_context
         if smoke:
-            from blockspec.spec.checkpoint import build_random_drafter
+            from blockspec.dflash.checkpoint import build_random_drafter
             from blockspec.tiny import build_tiny_model
 
             self.target = build_tiny_model(root / "tiny-target", arch="qwen3")

@@ -104,7 +104,7 @@ def hf_model():
 @pytest.fixture(scope="session")
 def drafter16(models_root, qwen3_path) -> Path:
     """A random 2-layer, block-16 DFlash drafter for the tiny Qwen3 (spec and policy tests)."""
-    from blockspec.spec.checkpoint import build_random_drafter
+    from blockspec.dflash.checkpoint import build_random_drafter
 
     return build_random_drafter(models_root / "drafter16", qwen3_path, num_layers=2,
                                 block_size=16)

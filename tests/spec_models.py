@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from blockspec.spec.checkpoint import build_random_drafter
+from blockspec.dflash.checkpoint import build_random_drafter
 from blockspec.tiny import build_tiny_model
 
 

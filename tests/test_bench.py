@@ -241,7 +241,7 @@ def test_offline_keeps_exactly_c_in_flight(qwen3_path):
 
 
 def test_bench_offline_synthetic_is_labelled(qwen3_path, models_root, tmp_path, capsys):
-    from blockspec.spec.checkpoint import build_random_drafter
+    from blockspec.dflash.checkpoint import build_random_drafter
 
     drafter = build_random_drafter(models_root / "bench-drafter", qwen3_path, num_layers=1,
                                    block_size=4)

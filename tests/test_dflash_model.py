@@ -9,10 +9,10 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from blockspec.config import ModelConfig
+from blockspec.dflash.checkpoint import build_random_drafter
+from blockspec.dflash.config import DFlashConfig
+from blockspec.dflash.proposer import load_drafter
 from blockspec.layers.attention import AttentionMetadata, PagedAttention
-from blockspec.spec.checkpoint import build_random_drafter
-from blockspec.spec.config import DFlashConfig
-from blockspec.spec.proposer import load_drafter
 
 
 def rms(x, w, eps=1e-6):
@@ -110,7 +110,7 @@ def test_paged_drafter_matches_reference(drafter_dir, qwen3_path):
 
 
 def test_default_target_layer_ids():
-    from blockspec.spec.config import default_target_layer_ids
+    from blockspec.dflash.config import default_target_layer_ids
 
     assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]
     assert default_target_layer_ids(36, 1) == [18]

@@ -228,7 +228,7 @@ def test_probe_pays_the_catch_up(qwen3_path, drafter16):
     """Detached, the policy's probe budget includes the catch-up: a catch-up priced at ~0 s
     per token lets the probe through, a dear one holds it back. (A probe costs 0.5 plain steps
     more, and its catch-up at least one plain step: affordable after 300 plain steps.)"""
-    from blockspec.spec.policy import StepCostModel
+    from blockspec.policy.policy import StepCostModel
 
     llm = spec_llm(qwen3_path, drafter16, speculation_policy="adaptive",
                    block_sizes=(4, 8, 16))  # NOTE: the costs below are for these
@@ -253,7 +253,7 @@ def test_return_to_speculation_pays_the_catch_up(qwen3_path, drafter16):
     shorter one finishes, the longer one alone would speculate (cheap at B = 1), but only if
     its catch-up is repaid by the tokens it has left: a dear catch-up keeps it on plain decode
     (no drafter work to the end), a cheap one lets it catch up and speculate."""
-    from blockspec.spec.policy import StepCostModel
+    from blockspec.policy.policy import StepCostModel
 
     llm = spec_llm(qwen3_path, drafter16, speculation_policy="adaptive",
                    block_sizes=(4, 8, 16))  # NOTE: the costs below are for these
@@ -279,7 +279,7 @@ def test_load_rule_detaches_before_the_prefills(qwen3_path, drafter16, prompts, 
     detaches before the first prefill writes any drafter context, and stays detached while
     the batch fills (priced at the load, not at the few sequences already decoding). As
     requests finish and the load falls, the switch is priced; output stays the target's."""
-    from blockspec.spec.policy import StepCostModel
+    from blockspec.policy.policy import StepCostModel
 
     llm = spec_llm(qwen3_path, drafter16, speculation_policy="adaptive", block_sizes=(4, 8, 16),
                    max_num_batched_tokens=96, max_num_seqs=6)
@@ -335,7 +335,7 @@ def test_load_rule_reattaches_for_new_prefills(qwen3_path, drafter16, prompts, a
     stays too dear to pay: requests admitted from then on get their drafter context as they
     prefill (no gap), and the runner speculates once the gapped requests are done. The output
     stays the target's."""
-    from blockspec.spec.policy import StepCostModel
+    from blockspec.policy.policy import StepCostModel
 
     llm = spec_llm(qwen3_path, drafter16, speculation_policy="adaptive", block_sizes=(4, 8, 16),
                    max_num_batched_tokens=96, max_num_seqs=6)

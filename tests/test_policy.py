@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from blockspec.spec.policy import (
+from blockspec.policy.policy import (
     AcceptanceTracker,
     SpeculationPolicy,
     StepCostModel,
@@ -258,7 +258,7 @@ def test_probe_after_plain_streak():
 def test_plain_choice_is_repriced_every_recheck_plain_steps(monkeypatch):
     """A plain choice made on the rates holds for RECHECK_PLAIN - 1 more steps at the same batch
     size and evidence; new evidence or another batch size re-prices at once."""
-    from blockspec.spec import policy as policy_mod
+    from blockspec.policy import policy as policy_mod
 
     policy = SpeculationPolicy(design_costs(), min_gain=1.0)
     priced = []
@@ -280,7 +280,7 @@ def test_plain_choice_is_repriced_every_recheck_plain_steps(monkeypatch):
 def test_probe_asks_the_switch_cost_every_recheck_plain_steps():
     """The probe's affordability check re-asks the switch cost (it walks the batch) only every
     RECHECK_PLAIN streak steps."""
-    from blockspec.spec import policy as policy_mod
+    from blockspec.policy import policy as policy_mod
 
     cm = StepCostModel({1: {1: 1.0}, 4: {1: 1.1}})  # plain wins: only the probe asks
     policy = SpeculationPolicy(cm, (4,), probe_every=2, probe_overhead=0.5)

@@ -11,8 +11,8 @@ from helpers import cpu_llm
 
 from blockspec import SamplingParams
 from blockspec.bench.offline import run_requests
-from blockspec.spec.acceptance import committed_moments_from_rates
-from blockspec.spec.policy import (
+from blockspec.policy.acceptance import committed_moments_from_rates
+from blockspec.policy.policy import (
     EXPLORE_BELOW,
     EXPLORE_MIN_LEFT,
     AcceptanceTracker,

@@ -19,7 +19,7 @@ from helpers import (
 from spec_models import build_constant_pair
 
 from blockspec import LLM, ConfigError, SamplingParams
-from blockspec.spec.policy import AcceptanceTracker, SpeculationPolicy, StepCostModel
+from blockspec.policy.policy import AcceptanceTracker, SpeculationPolicy, StepCostModel
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 # Covers every change between 1, 2, 4, 8, 16.

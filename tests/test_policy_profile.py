@@ -20,9 +20,9 @@ from helpers import assert_no_leaks, count_block_len_steps
 
 from blockspec import LLM, SamplingParams
 from blockspec.cli import build_parser, engine_kwargs, main
+from blockspec.dflash.checkpoint import build_random_drafter
 from blockspec.engine import cost_profile
 from blockspec.server.api import build_app
-from blockspec.spec.checkpoint import build_random_drafter
 
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 REPO = Path(__file__).resolve().parents[1]

@@ -517,7 +517,7 @@ def test_engine_thread_death_is_503_not_a_hang(qwen3_path, monkeypatch):
 
 # -- speculative decoding --------------------------------------------------------------------------
 def test_dflash_server_is_lossless_and_exports_acceptance(qwen3_path, tmp_path, client):
-    from blockspec.spec.checkpoint import build_random_drafter
+    from blockspec.dflash.checkpoint import build_random_drafter
 
     drafter = build_random_drafter(tmp_path / "drafter", qwen3_path, num_layers=2, block_size=4)
     # NOTE: block 4 alone, so every verify step drafts 3 tokens (the counts checked below)

@@ -12,9 +12,9 @@ from transformers import AutoTokenizer
 
 from blockspec import LLM, SamplingParams
 from blockspec.config import ConfigError, ModelConfig
+from blockspec.dflash.checkpoint import build_random_drafter
+from blockspec.dflash.proposer import load_drafter
 from blockspec.layers.attention import AttentionMetadata, PagedAttention
-from blockspec.spec.checkpoint import build_random_drafter
-from blockspec.spec.proposer import load_drafter
 from blockspec.tiny import corpus_text
 from blockspec.train.cli import add_train_parser, cmd_train
 from blockspec.train.drafter_forward import (

@@ -29,9 +29,9 @@ from blockspec.bench.common import (
 from blockspec.bench.datasets import load_samples, random_samples, token_ids
 from blockspec.bench.stats import RequestRecord, acceptance_from_spec, summarize_level
 from blockspec.config import ConfigError, EngineConfig
+from blockspec.dflash.metrics import SpecStats
 from blockspec.engine.llm_engine import LLMEngine
 from blockspec.sampling_params import SamplingParams
-from blockspec.spec.metrics import SpecStats
 
 
 def default_label(model: str, draft: str | None, block: int, synthetic: float | None,

@@ -23,9 +23,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from blockspec.dflash.proposer import DFlashProposer
 from blockspec.engine.kv_cache import BlockManager
 from blockspec.engine.sequence import Sequence
-from blockspec.spec.proposer import DFlashProposer
 
 # Staging capacity in full-batch plain steps: the write is then one GEMM over up to
 # STAGING_STEPS * max_num_seqs rows, its weight reads amortised over as many steps.

@@ -34,7 +34,7 @@ from blockspec.config import EngineConfig
 from blockspec.engine.context_staging import STAGING_STEPS
 from blockspec.layers.attention import PagedAttention
 from blockspec.layers.linear import Linear
-from blockspec.spec.cost_model import StepCostModel, profile_key
+from blockspec.policy.cost_model import StepCostModel, profile_key
 
 if TYPE_CHECKING:
     from blockspec.engine.decode_step import GraphedDecodeStep

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 
 import torch
 
+from blockspec.dflash.proposer import DFlashProposer
+from blockspec.dflash.verify import num_accepted
 from blockspec.layers.attention import AttentionMetadata
 from blockspec.models.qwen3 import CausalLM
-from blockspec.spec.proposer import DFlashProposer
-from blockspec.spec.verify import num_accepted
 
 
 @dataclass

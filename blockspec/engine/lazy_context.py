@@ -28,6 +28,7 @@ from collections.abc import Iterator
 
 import torch
 
+from blockspec.dflash.proposer import DFlashProposer
 from blockspec.engine.context_staging import ContextStaging
 from blockspec.engine.decode_step import DecodeStep, GraphedDecodeStep
 from blockspec.engine.kv_cache import BlockManager
@@ -35,8 +36,7 @@ from blockspec.engine.sequence import Sequence
 from blockspec.engine.speculation import SpecController
 from blockspec.layers.attention import AttentionMetadata
 from blockspec.models.qwen3 import CausalLM
-from blockspec.spec.cost_model import StepCostModel
-from blockspec.spec.proposer import DFlashProposer
+from blockspec.policy.cost_model import StepCostModel
 
 # Consecutive plain choices before detaching: a catch-up costs a target pass over every skipped
 # token, so a short plain stretch between speculative steps keeps writing (batched, staged).

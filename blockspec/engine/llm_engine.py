@@ -9,6 +9,8 @@ import time
 import torch
 
 from blockspec.config import ConfigError, EngineConfig, ModelConfig
+from blockspec.dflash.metrics import SpecStats
+from blockspec.dflash.proposer import DFlashProposer, load_drafter
 from blockspec.engine.decode_step import graph_buckets, graphed_block_lens
 from blockspec.engine.detokenizer import IncrementalDetokenizer, eos_token_ids, load_tokenizer
 from blockspec.engine.kv_cache import BlockManager
@@ -31,10 +33,8 @@ from blockspec.layers.counter_rng import derive_seed
 from blockspec.layers.linear import Linear
 from blockspec.models.loader import load_model
 from blockspec.outputs import RequestOutput
+from blockspec.policy.drain import Drain
 from blockspec.sampling_params import SamplingParams
-from blockspec.spec.drain import Drain
-from blockspec.spec.metrics import SpecStats
-from blockspec.spec.proposer import DFlashProposer, load_drafter
 
 
 class LLMEngine:

@@ -6,11 +6,11 @@ from __future__ import annotations
 import torch
 
 from blockspec.config import ConfigError, EngineConfig, ModelConfig
+from blockspec.dflash.config import DFlashConfig
 from blockspec.engine.context_staging import staging_rows
 from blockspec.engine.decode_step import graph_buckets
 from blockspec.layers.attention import AttentionMetadata, PagedAttention
 from blockspec.models.qwen3 import CausalLM
-from blockspec.spec.config import DFlashConfig
 
 _GiB = 1 << 30
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import torch
 
+from blockspec.dflash.verify import num_accepted
 from blockspec.engine.row_sampling import SampleRows, sample_rows
 from blockspec.engine.sequence import Sequence
 from blockspec.engine.step_result import Logprobs, StepResult
 from blockspec.layers.attention import AttentionMetadata
 from blockspec.layers.sampler import chosen_logprobs
-from blockspec.spec.verify import num_accepted
 
 
 class MixedStepMixin:

@@ -20,6 +20,8 @@ import numpy as np
 import torch
 
 from blockspec.config import ConfigError, EngineConfig, ModelConfig
+from blockspec.dflash.proposer import DFlashProposer
+from blockspec.dflash.verify import num_accepted
 from blockspec.engine.context_staging import ContextStaging, staging_rows
 from blockspec.engine.cost_profile import load_or_measure_costs
 from blockspec.engine.decode_step import (
@@ -38,9 +40,7 @@ from blockspec.engine.speculation import SpecController
 from blockspec.engine.step_result import Logprobs, StepResult, StepTimings
 from blockspec.layers.attention import PagedAttention
 from blockspec.models.qwen3 import CausalLM
-from blockspec.spec.cost_model import StepCostModel
-from blockspec.spec.proposer import DFlashProposer
-from blockspec.spec.verify import num_accepted
+from blockspec.policy.cost_model import StepCostModel
 
 __all__ = ["ModelRunner", "StepResult"]
 

@@ -6,8 +6,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from blockspec.dflash.metrics import SpecStats
 from blockspec.sampling_params import SamplingParams
-from blockspec.spec.metrics import SpecStats
 
 
 class SequenceStatus(enum.Enum):

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from blockspec.config import ConfigError, EngineConfig
-from blockspec.spec.policy import (
+from blockspec.policy.policy import (
     AcceptanceTracker,
     DrainArg,
     SpeculationPolicy,
@@ -43,7 +43,7 @@ PRIOR_ACCEPTANCE = 0.8
 MAX_EVIDENCE = 1024.0
 # NOTE: speculate only when its modelled rate beats plain decode by 3%: at the margin a wrong
 # "speculate" costs more than a missed one, since the step model leaves out the drafter context
-# a speculating engine writes (a draining batch's stragglers it prices: spec/drain.py).
+# a speculating engine writes (a draining batch's stragglers it prices: policy/drain.py).
 MIN_GAIN = 1.03
 # After 32 plain steps, probe with the smallest block once its worst-case extra time is at most
 # 0.5% of the plain streak's (at large batches, where a verify costs several plain steps, that is
@@ -87,7 +87,7 @@ class SpecController:
         # Live per-step overhead over the cost model (StepOverhead), fed by observe_step_time;
         # kept across set_policy, off for a cost model installed by set_cost_model.
         self.overhead: StepOverhead | None = StepOverhead()
-        # Set per step by the engine while the batch drains (see spec/drain.py): the Drain, or
+        # Set per step by the engine while the batch drains (see policy/drain.py): the Drain, or
         # a function that builds it when the policy needs it; else None.
         self.drain: DrainArg = None
         self.set_policy(mode)

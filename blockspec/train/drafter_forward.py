@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from blockspec.spec.dflash import DFlashDrafter, DraftAttention, DraftLayer
+from blockspec.dflash.dflash import DFlashDrafter, DraftAttention, DraftLayer
 
 # Loss-weight decay per block size (the published recipe); other sizes use 7.
 DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}

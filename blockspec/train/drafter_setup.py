@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from blockspec.config import ConfigError, ModelConfig
-from blockspec.spec.checkpoint import new_drafter_config
-from blockspec.spec.dflash import DFlashDrafter
+from blockspec.dflash.checkpoint import new_drafter_config
+from blockspec.dflash.dflash import DFlashDrafter
 
 if TYPE_CHECKING:
     from blockspec.train.drafter_train import TrainArgs

@@ -23,7 +23,7 @@ import torch
 from tqdm.auto import tqdm
 
 from blockspec.config import ConfigError
-from blockspec.spec.checkpoint import save_drafter
+from blockspec.dflash.checkpoint import save_drafter
 from blockspec.train.drafter_data import load_sequences
 from blockspec.train.drafter_forward import (
     acceptance_length,

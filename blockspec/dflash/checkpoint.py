@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import save_file
 
 from blockspec.config import ModelConfig, RopeConfig
-from blockspec.spec.config import DFlashConfig, default_target_layer_ids
-from blockspec.spec.dflash import DFlashDrafter
+from blockspec.dflash.config import DFlashConfig, default_target_layer_ids
+from blockspec.dflash.dflash import DFlashDrafter
 
 
 def unfused_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:

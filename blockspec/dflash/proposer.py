@@ -13,11 +13,11 @@ from dataclasses import replace
 import torch
 
 from blockspec.config import ConfigError, ModelConfig
+from blockspec.dflash.config import DFlashConfig
+from blockspec.dflash.dflash import DFlashDrafter
 from blockspec.layers.attention import AttentionMetadata, PagedAttention
 from blockspec.models.loader import init_dummy_weights, load_weights
 from blockspec.models.qwen3 import CausalLM
-from blockspec.spec.config import DFlashConfig
-from blockspec.spec.dflash import DFlashDrafter
 
 
 def load_drafter(path: str, target_cfg: ModelConfig, max_model_len: int, dtype: torch.dtype,

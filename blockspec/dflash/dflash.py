@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from blockspec.dflash.config import DFlashConfig
 from blockspec.layers.attention import AttentionMetadata, PagedAttention
 from blockspec.layers.fused import (
     fused_add_rms_norm,
@@ -25,7 +26,6 @@ from blockspec.layers.linear import Linear, linear
 from blockspec.layers.norm import RMSNorm
 from blockspec.layers.rotary import RotaryEmbedding
 from blockspec.models.qwen3 import MLP, CausalLM
-from blockspec.spec.config import DFlashConfig
 
 
 class DraftAttention(nn.Module):

@@ -5,7 +5,7 @@ L - 1 drafts) and commits 1 + (accepted drafts) tokens; plain decode (L = 1) com
 The policy maximises expected committed tokens per second for the current batch:
     rate(L) = B * E[committed | L] / cost(B, L).
 In a draining batch (every request known, all of them running) it prices the stragglers too
-(spec/drain.py).
+(policy/drain.py).
 Pure Python (no torch) so it can be unit-tested and profiled on any host.
 """
 
@@ -14,14 +14,14 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from blockspec.spec.acceptance import (
+from blockspec.policy.acceptance import (
     AcceptanceTracker,
     committed_moments_from_rates,
     expected_committed_from_rates,
 )
-from blockspec.spec.cost_model import PROFILE_VERSION, StepCostModel, profile_key
-from blockspec.spec.drain import Drain, drained_tau, expected_max_normal
-from blockspec.spec.overhead import StepOverhead
+from blockspec.policy.cost_model import PROFILE_VERSION, StepCostModel, profile_key
+from blockspec.policy.drain import Drain, drained_tau, expected_max_normal
+from blockspec.policy.overhead import StepOverhead
 
 __all__ = ["PROFILE_VERSION", "AcceptanceTracker", "SpeculationPolicy", "StepCostModel",
            "StepOverhead", "Drain", "DrainArg", "drained_tau", "expected_max_normal",
