@@ -1,9 +1,8 @@
 """Replay the speculation policy on a modelled H200 (CPU, seconds). A SIMULATION, not a measurement.
 
 What it is for: checking a change to the policy (policy/policy.py, policy/drain.py,
-policy/overhead.py,
-engine/speculation.py) against the decisions a policy_sweep run faced, before spending device time
-on it. What it models, from a policy_sweep JSON (`--from`):
+policy/overhead.py, engine/speculation.py) against the decisions a policy_sweep run faced, before
+spending device time on it. What it models, from a policy_sweep JSON (`--from`):
   * step time = the run's start-up cost profile (graph replays, by block length and batch bucket)
     + an overhead term per (bucket, block length): the median of the terms the run's policy had
     learned (wall time beyond the profile, host and longer contexts included) over its adaptive
