@@ -109,13 +109,13 @@ def traced_run(llm, c: int, seed: int) -> tuple[dict, list[dict]]:
     trace: list[dict] = []
     execute, step = runner.execute, eng.step
 
-    def traced_execute(seqs, num_new_tokens):
+    def traced_execute(seqs, num_new_tokens, *rest):
         dec = sum(n == 1 and s.num_computed_tokens == s.num_tokens - 1
                   for s, n in zip(seqs, num_new_tokens))
         pre = sum(n for s, n in zip(seqs, num_new_tokens)
                   if not (n == 1 and s.num_computed_tokens == s.num_tokens - 1))
         trace.append({"seqs": len(seqs), "decoding": dec, "prefill_tokens": pre})
-        return execute(seqs, num_new_tokens)
+        return execute(seqs, num_new_tokens, *rest)
 
     def traced_step():
         t0 = time.perf_counter()

@@ -66,7 +66,7 @@ class DecodeStepClock:
         runner = self.engine.runner
         execute, step = runner.execute, self.engine.step
 
-        def timed_execute(seqs, num_new_tokens):
+        def timed_execute(seqs, num_new_tokens, *rest):
             self._all_decode = all(n == 1 and s.num_computed_tokens == s.num_tokens - 1
                                    for s, n in zip(seqs, num_new_tokens))
             if self._all_decode and len(seqs) > self._full:
@@ -74,7 +74,7 @@ class DecodeStepClock:
                 width = max(len(s.block_table) for s in seqs)
                 self.tables = torch.tensor([s.block_table + [-1] * (width - len(s.block_table))
                                             for s in seqs], dtype=torch.int32)
-            return execute(seqs, num_new_tokens)
+            return execute(seqs, num_new_tokens, *rest)
 
         def timed_step():
             t = self.engine.timings

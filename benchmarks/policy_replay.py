@@ -38,6 +38,7 @@ from blockspec.bench.common import recorded_command
 from blockspec.engine.speculation import SpecController
 from blockspec.policy.drain import Drain
 from blockspec.policy.policy import StepCostModel
+from blockspec.policy.step_context import StepContext
 
 CONFIGS = ("plain", "fixed 4", "fixed 8", "fixed 16", "adaptive")
 
@@ -89,9 +90,7 @@ def run_batch(h200: ModelledH200, ctl: SpecController, config: str, a: float, c:
             break
         n = len(active)
         if fixed is None:
-            ctl.drain = Drain.of(left[i] for i in active)
-            L = ctl.choose(n)
-            ctl.drain = None
+            L = ctl.choose(n, StepContext(drain=Drain.of(left[i] for i in active)))
         else:
             L = fixed
         wall = h200.step_time(n, L)

@@ -96,7 +96,7 @@ def run_file_with_triton_interpreter(path: str) -> None:
 def force_block_lens(llm, cycle: list[int]) -> None:
     """Replace the speculation policy's choice with a fixed cycle of block lengths."""
     it = itertools.cycle(cycle)
-    llm.engine.runner.controller.choose = lambda n: next(it)
+    llm.engine.runner.controller.choose = lambda n, ctx=None: next(it)
 
 
 def record_drafter(llm) -> list[torch.Tensor]:
@@ -128,8 +128,8 @@ def count_block_len_steps(llm) -> tuple[dict, dict]:
     per_req: dict[str, dict[int, int]] = {}
     execute = llm.engine.runner.execute
 
-    def counting(seqs, num_new):
-        res = execute(seqs, num_new)
+    def counting(seqs, num_new, *rest):
+        res = execute(seqs, num_new, *rest)
         if res.block_len:
             engine_steps[res.block_len] = engine_steps.get(res.block_len, 0) + 1
         for seq, blen in zip(res.sampled_seqs, res.block_lens):

@@ -154,7 +154,7 @@ def test_flush_never_changes_another_sequences_context(qwen3_path, drafter16, pr
     r, bm, sched = llm.engine.runner, llm.engine.block_manager, llm.engine.scheduler
     st, execute, calls, stale = r.staging, r.execute, itertools.count(), []
 
-    def checked(seqs, num_new_tokens):
+    def checked(seqs, num_new_tokens, *rest):
         if next(calls) % 3 == 2:
             valid = {blk * bm.block_size + p % bm.block_size
                      for blk, g, p in zip(st.blocks, st.generations, st.positions)
@@ -166,7 +166,7 @@ def test_flush_never_changes_another_sequences_context(qwen3_path, drafter16, pr
             before = drafter_rows(llm, kept)
             r.flush_context()
             assert torch.equal(drafter_rows(llm, kept), before)
-        return execute(seqs, num_new_tokens)
+        return execute(seqs, num_new_tokens, *rest)
 
     r.execute = checked
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == ar_ref

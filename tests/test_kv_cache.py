@@ -295,8 +295,7 @@ def test_scheduler_budget_lookahead_counts_fewer_tokens_but_keeps_the_blocks():
         sched.add(a)
         step(sched)  # a's prefill; a now decodes
         sched.add(make_seq(range(1, 9), "b"))
-        sched.budget_lookahead = budget_lookahead
-        out = sched.schedule()
+        out = sched.schedule(budget_lookahead=budget_lookahead)
         assert [s.request_id for s in out.seqs] == ["a", "b"] and out.num_new_tokens == chunks
         assert len(a.block_table) == bm.blocks_for(a.num_computed_tokens + 1 + 7)
 

@@ -21,6 +21,7 @@ from helpers import (
 from blockspec import LLM, ConfigError, SamplingParams
 from blockspec.cli import build_parser, engine_kwargs
 from blockspec.engine.lazy_context import DETACH_AFTER
+from blockspec.policy.step_context import StepContext
 
 GREEDY = SamplingParams(temperature=0, max_tokens=90, ignore_eos=True)
 # Long plain streaks (detaching after 64), speculative steps after them, short streaks too.
@@ -49,10 +50,10 @@ def check_counts(llm: LLM) -> dict[str, int]:
     r, execute, mixed = llm.engine.runner, llm.engine.runner.execute, {}
     step_seqs: list = []
 
-    def checked(seqs, num_new_tokens):
+    def checked(seqs, num_new_tokens, ctx):
         assert all(s.num_draft_ctx_tokens <= s.num_computed_tokens for s in seqs)
         step_seqs[:] = seqs
-        res = execute(seqs, num_new_tokens)
+        res = execute(seqs, num_new_tokens, ctx)
         if any(s.num_computed_tokens < s.num_tokens - 1 for s in seqs):  # a prefill chunk
             key = "detached" if r.lazy.detached else "attached"
             mixed[key] = mixed.get(key, 0) + 1
@@ -294,11 +295,11 @@ def test_load_rule_detaches_before_the_prefills(qwen3_path, drafter16, prompts, 
     decoding_steps = []
     execute = r.execute
 
-    def spy(seqs, num_new_tokens):
+    def spy(seqs, num_new_tokens, ctx):
         n_dec = sum(n == 1 and s.num_computed_tokens == s.num_tokens - 1
                     for s, n in zip(seqs, num_new_tokens))
-        res = execute(seqs, num_new_tokens)
-        decoding_steps.append((n_dec, r.num_unfinished_requests, r.lazy.detached))
+        res = execute(seqs, num_new_tokens, ctx)
+        decoding_steps.append((n_dec, ctx.num_unfinished, r.lazy.detached))
         return res
 
     r.execute = spy
@@ -353,12 +354,12 @@ def test_load_rule_reattaches_for_new_prefills(qwen3_path, drafter16, prompts, a
     ids += sorted(later, key=int)
     whole_at_first_decode, execute = {}, r.execute
 
-    def spy(seqs, num_new_tokens):
+    def spy(seqs, num_new_tokens, *rest):
         for s in seqs:
             if s.request_id in later and s.num_computed_tokens == s.num_tokens - 1:
                 whole_at_first_decode.setdefault(
                     s.request_id, s.num_draft_ctx_tokens == s.num_computed_tokens)
-        return execute(seqs, num_new_tokens)
+        return execute(seqs, num_new_tokens, *rest)
 
     r.execute = spy
     outs = {}
@@ -385,16 +386,17 @@ def test_load_rule_follows_the_policys_choice(qwen3_path, drafter16):
         def __init__(self, choice: int, gain: float) -> None:
             self.view = {"mode": "adaptive", "choice": choice, "gain": gain}
 
-        def explain(self, batch_size: int) -> dict:
+        def explain(self, batch_size: int, drain=None) -> dict:
             return self.view
 
+    load = StepContext(num_unfinished=6)
     assert not lz.detached
-    assert lz.policy_batch(0, 6, View(4, 1.05)) == 0
+    assert lz.policy_batch(0, load, View(4, 1.05)) == 0
     assert not lz.detached and lz.load_wants_drafter
-    assert lz.policy_batch(0, 6, View(1, 1.02)) == 6  # detached: priced at the load
+    assert lz.policy_batch(0, load, View(1, 1.02)) == 6  # detached: priced at the load
     assert lz.detached and not lz.load_wants_drafter
-    assert lz.policy_batch(2, 6, View(4, 1.05)) == 2
+    assert lz.policy_batch(2, load, View(4, 1.05)) == 2
     assert not lz.detached and lz.num_reattaches == 1
     # No load beyond the decoding batch: the rule leaves the state alone.
-    assert lz.policy_batch(6, 6, View(1, 0.5)) == 6 and not lz.detached
+    assert lz.policy_batch(6, load, View(1, 0.5)) == 6 and not lz.detached
     assert_no_leaks(llm)

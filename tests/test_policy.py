@@ -285,10 +285,10 @@ def test_probe_asks_the_switch_cost_every_recheck_plain_steps():
     cm = StepCostModel({1: {1: 1.0}, 4: {1: 1.1}})  # plain wins: only the probe asks
     policy = SpeculationPolicy(cm, (4,), probe_every=2, probe_overhead=0.5)
     asked = []
-    policy.switch_cost = lambda b, m: asked.append(b) or (1e9, 1.0)  # never affordable
+    switch = lambda b, m: asked.append(b) or (1e9, 1.0)  # noqa: E731 - never affordable
     t = iid_tracker(0.01)
     n = 4 * policy_mod.RECHECK_PLAIN
-    assert {policy.choose(1, t) for _ in range(n)} == {1}
+    assert {policy.choose(1, t, switch_cost=switch) for _ in range(n)} == {1}
     assert len(asked) == 4
 
 
@@ -307,20 +307,19 @@ def test_switch_cost_is_amortised_over_the_horizon():
             return seconds, horizon
         return fn
 
-    policy.switch_cost = switch(0.0, 1.0)
-    assert policy.choose(1, t) == 4 and calls == [(1, cm)]
-    policy.switch_cost = switch(10.0, 1000.0)  # +10 s over 533 steps: +0.019 s per step
-    assert policy.choose(1, t) == 4
-    policy.switch_cost = switch(10.0, 20.0)  # over ~11 steps: +0.94 s per step
-    assert policy.choose(1, t) == 1
-    policy.switch_cost = switch(1.0, 1.0)  # fewer tokens left than one step commits
+    assert policy.choose(1, t, switch_cost=switch(0.0, 1.0)) == 4 and calls == [(1, cm)]
+    # +10 s over 533 steps: +0.019 s per step
+    assert policy.choose(1, t, switch_cost=switch(10.0, 1000.0)) == 4
+    # over ~11 steps: +0.94 s per step
+    assert policy.choose(1, t, switch_cost=switch(10.0, 20.0)) == 1
+    # fewer tokens left than one step commits
     assert policy.rates(1, t, 1.0, 1.0)[4] == pytest.approx(1.875 / 2.5)
-    assert policy.choose(1, t) == 1
+    assert policy.choose(1, t, switch_cost=switch(1.0, 1.0)) == 1
     # Plain decode never asks: the switch cost only guards a speculative choice.
     calls.clear()
-    policy.switch_cost = switch(1e9, 1.0)
     assert SpeculationPolicy(cm, block_lens=(4,)).choose(1, iid_tracker(0.01)) == 1
-    assert policy.choose(1, iid_tracker(0.01)) == 1 and calls == []
+    assert policy.choose(1, iid_tracker(0.01), switch_cost=switch(1e9, 1.0)) == 1 \
+        and calls == []
 
 
 def test_fixed_mode_and_determinism():

@@ -245,9 +245,9 @@ def test_engine_drains_only_in_a_closed_batch(qwen3_path, drafter16, monkeypatch
     eng = llm.engine
     seen: list = []
     choose = eng.runner.controller.policy.choose
-    def spy(b, t, drain=None):
+    def spy(b, t, drain=None, switch_cost=None):
         seen.append(drain() if callable(drain) else drain)  # NOTE: built on demand
-        return choose(b, t, drain)
+        return choose(b, t, drain, switch_cost)
 
     monkeypatch.setattr(eng.runner.controller.policy, "choose", spy)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

@@ -109,11 +109,11 @@ def test_token_budget_follows_the_policys_last_choice(qwen3_path, drafter, promp
     force_cycle(llm, [1, 1, 16, 1, 8, 1, 1, 4])
     r, execute, steps = llm.engine.runner, llm.engine.runner.execute, []
 
-    def spy(seqs, num_new_tokens):
+    def spy(seqs, num_new_tokens, *rest):
         decoding = [n == 1 and s.num_computed_tokens == s.num_tokens - 1
                     for s, n in zip(seqs, num_new_tokens)]
         budgeted = r.budget_block_len
-        res = execute(seqs, num_new_tokens)
+        res = execute(seqs, num_new_tokens, *rest)
         prefill = sum(n for n, d in zip(num_new_tokens, decoding) if not d)
         steps.append((prefill, sum(decoding), max(res.block_len, 1), budgeted, r.last_block_len))
         return res
@@ -335,8 +335,8 @@ def test_engine_reports_all_decode_step_times(qwen3_path, drafter, prompts, monk
     flagged = []
     execute = runner._execute
 
-    def spy(seqs, num_new_tokens):
-        res = execute(seqs, num_new_tokens)
+    def spy(seqs, num_new_tokens, *rest):
+        res = execute(seqs, num_new_tokens, *rest)
         decode = all(n == 1 and s.num_computed_tokens == s.num_tokens - 1
                      for s, n in zip(seqs, num_new_tokens))
         flagged.append((decode, runner.timed_step))

@@ -107,7 +107,7 @@ def scraped(tc: TestClient) -> dict[int, float]:
 def test_metrics_show_block_lengths(qwen3_path, drafter, capsys):
     llm = spec_llm(qwen3_path, drafter, cost_profile="none")
     cycle = itertools.cycle([4, 1, 16, 8, 1])
-    llm.engine.runner.controller.choose = lambda n: next(cycle)
+    llm.engine.runner.controller.choose = lambda n, ctx=None: next(cycle)
     engine_steps, per_req = count_block_len_steps(llm)
     outs = llm.generate([[1, 2, 3], [9, 8, 7, 6], [5] * 20], GREEDY)
     stats = llm.engine.spec_stats

@@ -110,11 +110,11 @@ def test_a_failing_step_fails_only_its_requests(qwen3_path, monkeypatch):
     real = eng.runner.execute
     calls = {"n": 0}
 
-    def flaky(seqs, num_new_tokens):
+    def flaky(seqs, num_new_tokens, *rest):
         calls["n"] += 1
         if calls["n"] == 2:
             raise ValueError("simulated bug in a step")
-        return real(seqs, num_new_tokens)
+        return real(seqs, num_new_tokens, *rest)
 
     monkeypatch.setattr(eng.runner, "execute", flaky)
     body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 6, "temperature": 0,
@@ -135,11 +135,13 @@ def test_a_failing_step_while_streaming_ends_with_an_error_event(qwen3_path, mon
     eng = make_engine(qwen3_path)
     real = eng.runner.execute
 
-    def fail_third(seqs, n, calls=[0]):  # noqa: B006 - a counter
+    calls = [0]
+
+    def fail_third(seqs, n, *rest):
         calls[0] += 1
         if calls[0] == 3:
             raise RuntimeError("simulated failure")
-        return real(seqs, n)
+        return real(seqs, n, *rest)
 
     monkeypatch.setattr(eng.runner, "execute", fail_third)
     with TestClient(build_app(eng, MODEL)) as client:

@@ -37,6 +37,7 @@ from blockspec.engine.speculation import SpecController
 from blockspec.layers.attention import AttentionMetadata
 from blockspec.models.qwen3 import CausalLM
 from blockspec.policy.cost_model import StepCostModel
+from blockspec.policy.step_context import StepContext, SwitchCost
 
 # Consecutive plain choices before detaching: a catch-up costs a target pass over every skipped
 # token, so a short plain stretch between speculative steps keeps writing (batched, staged).
@@ -67,9 +68,6 @@ class LazyDraftContext:
         self.plain_streak = 0  # consecutive steps whose chosen block length was 1
         # This step's load rule favours speculation while prefills are pending (see policy_batch).
         self.load_wants_drafter = False
-        # The current step's scheduled sequences and decoding flags (switch_cost).
-        self.step_seqs: list[Sequence] = []
-        self.step_decoding: list[bool] = []
         # Metrics.
         self.num_detached_steps = 0
         self.num_reattaches = 0  # by the load rule
@@ -80,11 +78,11 @@ class LazyDraftContext:
         self.seconds_per_token: float | None = None
 
     # -- per step -------------------------------------------------------------------------------
-    def policy_batch(self, num_decoding: int, num_requests: int,
+    def policy_batch(self, num_decoding: int, ctx: StepContext,
                      controller: SpecController) -> int:
         """The load rule, before the policy chooses: the batch size to price this step at.
 
-        `num_requests`: the engine's unfinished requests (running and waiting). When they
+        `ctx.num_unfinished`: the engine's unfinished requests (running and waiting). When they
         outnumber this step's decoding sequences (prefills queued or in progress) and the
         policy would decode plainly at that load, the runner detaches now, before the prefills
         write any drafter context. While detached, the policy prices steps at the load, so a
@@ -94,7 +92,7 @@ class LazyDraftContext:
         acceptance estimate or live step overhead moved) re-attaches before new prefills, so
         the requests it admits next get their drafter context as they prefill: otherwise under
         steady load every new request would need a catch-up, which the policy would not pay."""
-        load = min(max(num_decoding, num_requests), self.max_num_seqs)
+        load = min(max(num_decoding, ctx.num_unfinished), self.max_num_seqs)
         self.load_wants_drafter = False
         if load > num_decoding:
             # NOTE: detach wherever the policy's choice at the load is plain decode, including a
@@ -102,7 +100,7 @@ class LazyDraftContext:
             # attached there, the prefills and every plain step pay the drafter's context
             # writes for a speculation the policy does not take (block 2 put a=0.6, C=128 on
             # an H200 near 1.0x). A wrong detach forgoes at most that sub-min_gain gain.
-            plain_at_load = controller.explain(load)["choice"] == 1
+            plain_at_load = controller.explain(load, ctx.drain)["choice"] == 1
             if plain_at_load and not self.detached:
                 self._detach()
             elif not plain_at_load and controller.mode == "adaptive":
@@ -153,36 +151,40 @@ class LazyDraftContext:
                 seq.num_draft_ctx_tokens += adv
 
     # -- pricing a return to speculation -------------------------------------------------------
-    def pending_tokens(self) -> int:
-        """Tokens the current step's decoding sequences would need caught up to draft.
+    def pending_tokens(self, seqs: list[Sequence], decoding: list[bool]) -> int:
+        """Tokens the step's decoding sequences would need caught up to draft.
         NOTE: rows still staged are not pending (the flush before drafting writes them): a
         sequence has at most one per staged step."""
         staged = self.staging.num_staged_steps
         return sum(max(0, s.num_computed_tokens - s.num_draft_ctx_tokens - staged)
-                   for s, d in zip(self.step_seqs, self.step_decoding) if d)
+                   for s, d in zip(seqs, decoding) if d)
 
-    def switch_cost(self, batch_size: int, cost_model: StepCostModel) -> tuple[float, float]:
-        """(seconds, horizon) of speculating this step (SpeculationPolicy.switch_cost): the
-        catch-up of the step's decoding sequences, and the mean number of tokens they have left
+    def switch_cost(self, seqs: list[Sequence], decoding: list[bool]) -> SwitchCost:
+        """The step's price of speculating (StepContext.switch_cost): (seconds, horizon) for the
+        catch-up of its decoding sequences, and the mean number of tokens they have left
         (`max_tokens`; an end-of-sequence token may come sooner) to pay it back.
         Seconds: one plain step per step-budget chunk (the weights are read once per forward)
         plus, per token, the last large catch-up's seconds per token or, before one, the
-        cheapest per-token cost in `cost_model` (optimistic, so a first catch-up happens and
+        cheapest per-token cost in the cost model (optimistic, so a first catch-up happens and
         measures the real price).
         NOTE: the catch-up grows with the detached streak (~ batch x steps tokens), so a long
         detached stretch returns to speculation only where the gain repays it: without this
         price, a batch shrinking as requests finish tipped the policy back to speculation and
         paid a prefill-sized catch-up for a few steps (H200, a=0.6, C=128: 0.91x plain)."""
-        pending = self.pending_tokens()
-        if not pending:
-            return 0.0, 1.0
-        per_token = self.seconds_per_token
-        if per_token is None:
-            per_token = cost_model.min_token_cost()
-        chunks = -(-pending // self.max_tokens)
-        left = [s.num_tokens_left for s, d in zip(self.step_seqs, self.step_decoding) if d]
-        return (chunks * cost_model.cost(1, 1) + per_token * pending,
-                max(1.0, sum(left) / max(1, len(left))))
+
+        def price(batch_size: int, cost_model: StepCostModel) -> tuple[float, float]:
+            pending = self.pending_tokens(seqs, decoding)
+            if not pending:
+                return 0.0, 1.0
+            per_token = self.seconds_per_token
+            if per_token is None:
+                per_token = cost_model.min_token_cost()
+            chunks = -(-pending // self.max_tokens)
+            left = [s.num_tokens_left for s, d in zip(seqs, decoding) if d]
+            return (chunks * cost_model.cost(1, 1) + per_token * pending,
+                    max(1.0, sum(left) / max(1, len(left))))
+
+        return price
 
     # -- catch-up -------------------------------------------------------------------------------
     def catch_up(self, seqs: list[Sequence]) -> None:

@@ -34,6 +34,7 @@ from blockspec.layers.linear import Linear
 from blockspec.models.loader import load_model
 from blockspec.outputs import RequestOutput
 from blockspec.policy.drain import Drain
+from blockspec.policy.step_context import StepContext
 from blockspec.sampling_params import SamplingParams
 
 
@@ -241,27 +242,22 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
-        self.scheduler.budget_lookahead = min(self.runner.next_budget_lookahead(),
-                                              self.scheduler.num_lookahead_slots)
-        sched = self.scheduler.schedule()
+        sched = self.scheduler.schedule(budget_lookahead=min(self.runner.next_budget_lookahead(),
+                                                             self.scheduler.num_lookahead_slots))
         if not sched:
             return []
         t1 = time.perf_counter()
-        n = self.runner.num_unfinished_requests = len(self.scheduler.running) \
-            + len(self.scheduler.waiting)
+        n = len(self.scheduler.running) + len(self.scheduler.waiting)
         ctl = self.runner.controller
-        if ctl is not None and ctl.policy is not None:
-            ctl.drain = (self._drain if self.closed_batch and n <= self.config.max_num_seqs
-                         else None)
+        drain = self._drain if ctl is not None and ctl.policy is not None and self.closed_batch \
+            and n <= self.config.max_num_seqs else None
         try:
-            res = self.runner.execute(sched.seqs, sched.num_new_tokens)
+            res = self.runner.execute(sched.seqs, sched.num_new_tokens,
+                                      StepContext(num_unfinished=n, drain=drain))
             t2 = time.perf_counter()
             outputs = self._commit(sched, res)
         except Exception as e:
             raise StepError(e, self._fail(sched.seqs)) from e
-        finally:
-            if ctl is not None:
-                ctl.drain = None  # NOTE: this step's state only
         timings = self.runner.timings
         timings.steps += 1
         timings.schedule += t1 - t0
@@ -290,7 +286,7 @@ class LLMEngine:
         return outputs
 
     def _drain(self) -> Drain | None:
-        """The draining batch, built when the policy asks (see the step's `ctl.drain`): set while
+        """The draining batch, built when the policy asks (StepContext.drain): offered while
         `closed_batch` and every unfinished request fits in the running batch (no later one
         takes a finished one's slot)."""
         left = [s.num_tokens_left

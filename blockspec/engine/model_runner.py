@@ -14,6 +14,7 @@ context altogether and it is caught up before the drafter next runs (see `lazy_c
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import numpy as np
@@ -41,6 +42,7 @@ from blockspec.engine.step_result import Logprobs, StepResult, StepTimings
 from blockspec.layers.attention import PagedAttention
 from blockspec.models.qwen3 import CausalLM
 from blockspec.policy.cost_model import StepCostModel
+from blockspec.policy.step_context import NO_CONTEXT, StepContext
 
 __all__ = ["ModelRunner", "StepResult"]
 
@@ -116,8 +118,6 @@ class ModelRunner(MixedStepMixin):
         self.graphs = self.graphs_by_len.get(self.max_block)  # compat: the max block's graphs
 
         self.timings = StepTimings()  # the runner's parts; the engine adds its own and steps
-        # Running + waiting requests, set by the engine before each step (the lazy load rule).
-        self.num_unfinished_requests = 0
         # The policy's last choice, and the block length the scheduler budgeted this step for
         # (see next_budget_lookahead).
         self.last_block_len = self.max_block
@@ -135,8 +135,6 @@ class ModelRunner(MixedStepMixin):
             self.controller = SpecController(
                 self.spec_lens, config.speculation_policy, cost_model,
                 batch_bucket=graphs.bucket_for if graphs is not None else None)
-            if self.lazy is not None:
-                self.controller.set_switch_cost(self.lazy.switch_cost)
 
     # -- benchmark hooks (not serving options) ----------------------------------------------
     def set_policy(self, mode: str, fixed_len: int | None = None) -> None:
@@ -187,14 +185,18 @@ class ModelRunner(MixedStepMixin):
             self.staging.flush()
 
     @torch.inference_mode()
-    def execute(self, seqs: list[Sequence], num_new_tokens: list[int]) -> StepResult:
+    def execute(self, seqs: list[Sequence], num_new_tokens: list[int],
+                ctx: StepContext = NO_CONTEXT) -> StepResult:
+        """One step of the scheduled `seqs`; `ctx`: what the engine knows of the step (the load,
+        the draining batch) for the speculation decision."""
         t0, wait0 = time.perf_counter(), self.timings.device_wait
-        res = self._execute(seqs, num_new_tokens)
+        res = self._execute(seqs, num_new_tokens, ctx)
         self.timings.runner_host += (time.perf_counter() - t0) - (self.timings.device_wait
                                                                    - wait0)
         return res
 
-    def _execute(self, seqs: list[Sequence], num_new_tokens: list[int]) -> StepResult:
+    def _execute(self, seqs: list[Sequence], num_new_tokens: list[int],
+                 ctx: StepContext) -> StepResult:
         decoding = [n == 1 and s.num_computed_tokens == s.num_tokens - 1
                     for s, n in zip(seqs, num_new_tokens)]
         n_dec = sum(decoding)
@@ -202,11 +204,11 @@ class ModelRunner(MixedStepMixin):
         lazy = self.lazy
         n_policy = n_dec
         if lazy is not None and self.controller is not None:
-            # NOTE: the policy prices a catch-up (switch_cost) from them
-            lazy.step_seqs, lazy.step_decoding = seqs, decoding
-            n_policy = lazy.policy_batch(n_dec, self.num_unfinished_requests, self.controller)
+            n_policy = lazy.policy_batch(n_dec, ctx, self.controller)
+            # NOTE: the policy prices a catch-up of this step's decoding sequences
+            ctx = dataclasses.replace(ctx, switch_cost=lazy.switch_cost(seqs, decoding))
         if self.controller is not None and n_dec:
-            L = self.last_block_len = self.controller.choose(n_policy)
+            L = self.last_block_len = self.controller.choose(n_policy, ctx)
             if L > self.budget_block_len:
                 L = self._fit_budget(L, n_dec, len(seqs))
         # Tokens verified per decoding sequence: its last token plus L - 1 drafts, cut at the end

@@ -37,12 +37,6 @@ class Scheduler:
                  max_num_batched_tokens: int, num_lookahead_slots: int = 0) -> None:
         self.block_manager = block_manager
         self.num_lookahead_slots = num_lookahead_slots
-        # Lookahead tokens a decoding sequence counts against the step's token budget (at most
-        # num_lookahead_slots, whose K/V blocks are allocated regardless): the engine lowers it
-        # when the next step will likely decode plainly, so prefill chunks are not cut for drafts
-        # that will not run. NOTE: the runner then verifies at most budget_lookahead + 1 tokens
-        # per sequence in a step that also prefills (ModelRunner.budget_block_len).
-        self.budget_lookahead = num_lookahead_slots
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -60,12 +54,20 @@ class Scheduler:
         """Extra K/V slots a decoding sequence (one uncomputed token) needs for its drafts."""
         return self.num_lookahead_slots if remaining == 1 else 0
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, budget_lookahead: int | None = None) -> SchedulerOutput:
+        """`budget_lookahead`: lookahead tokens a decoding sequence counts against the step's
+        token budget (at most num_lookahead_slots, the default, whose K/V blocks are allocated
+        regardless): the engine lowers it when the next step will likely decode plainly, so
+        prefill chunks are not cut for drafts that will not run. NOTE: the runner then verifies
+        at most budget_lookahead + 1 tokens per sequence in a step that also prefills
+        (ModelRunner.budget_block_len)."""
+        if budget_lookahead is None:
+            budget_lookahead = self.num_lookahead_slots
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         bm, block_size = self.block_manager, self.block_manager.block_size
         decode_slots = 1 + self.num_lookahead_slots
-        decode_cost = 1 + min(self.num_lookahead_slots, self.budget_lookahead)
+        decode_cost = 1 + min(self.num_lookahead_slots, budget_lookahead)
         i = 0
         # NOTE: the loop runs for every running sequence every step: its decode case is inlined
         # (lookahead(), num_blocks_needed()), the host's share of a large batch's step.

@@ -23,11 +23,11 @@ from typing import Any
 from blockspec.config import ConfigError, EngineConfig
 from blockspec.policy.policy import (
     AcceptanceTracker,
-    DrainArg,
     SpeculationPolicy,
     StepCostModel,
     StepOverhead,
 )
+from blockspec.policy.step_context import NO_CONTEXT, DrainArg, StepContext
 
 # NOTE: block 2 (one draft) for large batches, where the verify is compute-bound: L=2 commits
 # 1 + p1 tokens per sequence (1.6 at a=0.6, 1.86 at a=0.86). Measured on the H200 (policy runs
@@ -82,14 +82,9 @@ class SpecController:
         self.mode = "fixed"
         self.fixed_len = self.max_block
         self.policy: SpeculationPolicy | None = None
-        # See SpeculationPolicy.switch_cost (kept across set_policy).
-        self.switch_cost: Callable[[int, StepCostModel], tuple[float, float]] | None = None
         # Live per-step overhead over the cost model (StepOverhead), fed by observe_step_time;
         # kept across set_policy, off for a cost model installed by set_cost_model.
         self.overhead: StepOverhead | None = StepOverhead()
-        # Set per step by the engine while the batch drains (see policy/drain.py): the Drain, or
-        # a function that builds it when the policy needs it; else None.
-        self.drain: DrainArg = None
         self.set_policy(mode)
 
     @staticmethod
@@ -116,16 +111,9 @@ class SpecController:
             self.policy = SpeculationPolicy(
                 self.cost_model, self.block_lens, mode="adaptive", fixed_len=self.max_block,
                 min_gain=MIN_GAIN, probe_every=PROBE_EVERY, probe_overhead=PROBE_OVERHEAD)
-            self.policy.switch_cost = self.switch_cost
             self.policy.overhead = self.overhead
         else:
             raise ConfigError(f"speculation policy must be adaptive or fixed, got {mode!r}")
-
-    def set_switch_cost(self, fn: Callable[[int, StepCostModel], tuple[float, float]] | None
-                        ) -> None:
-        self.switch_cost = fn
-        if self.policy is not None:
-            self.policy.switch_cost = fn
 
     def set_cost_model(self, cost_model: StepCostModel) -> None:
         """Replace the cost model (tests, what-if runs). NOTE: it is then taken as the whole
@@ -139,12 +127,13 @@ class SpecController:
         """The batch size a step of `num_decoding` sequences is priced at (its graph bucket)."""
         return self.batch_bucket(num_decoding) if self.batch_bucket is not None else num_decoding
 
-    def choose(self, num_decoding: int) -> int:
+    def choose(self, num_decoding: int, ctx: StepContext = NO_CONTEXT) -> int:
         """Block length for a step with `num_decoding` decoding sequences (called once per step
         that has any: the policy counts its plain streak in calls)."""
         if self.policy is None:
             return self.fixed_len
-        return self.policy.choose(self._bucket(num_decoding), self.tracker, self.drain)
+        return self.policy.choose(self._bucket(num_decoding), self.tracker, ctx.drain,
+                                  ctx.switch_cost)
 
     def observe(self, block_len: int, drafted: Sequence[int], accepted: Sequence[int]) -> None:
         if block_len > 1:
@@ -161,8 +150,8 @@ class SpecController:
         b = self._bucket(num_decoding)
         self.overhead.observe(b, block_len, self.cost_model.cost(b, block_len), seconds)
 
-    def explain(self, num_decoding: int) -> dict[str, Any]:
+    def explain(self, num_decoding: int, drain: DrainArg = None) -> dict[str, Any]:
         """The policy's view for a batch size (side-effect free): rates, tau, acceptance."""
         if self.policy is None:
             return {"mode": "fixed", "choice": self.fixed_len, "batch_size": num_decoding}
-        return self.policy.explain(self._bucket(num_decoding), self.tracker, self.drain)
+        return self.policy.explain(self._bucket(num_decoding), self.tracker, drain)

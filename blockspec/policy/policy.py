@@ -11,7 +11,7 @@ Pure Python (no torch) so it can be unit-tested and profiled on any host.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from blockspec.policy.acceptance import (
@@ -22,6 +22,7 @@ from blockspec.policy.acceptance import (
 from blockspec.policy.cost_model import PROFILE_VERSION, StepCostModel, profile_key
 from blockspec.policy.drain import Drain, drained_tau, expected_max_normal
 from blockspec.policy.overhead import StepOverhead
+from blockspec.policy.step_context import DrainArg, SwitchCost
 
 __all__ = ["PROFILE_VERSION", "AcceptanceTracker", "SpeculationPolicy", "StepCostModel",
            "StepOverhead", "Drain", "DrainArg", "drained_tau", "expected_max_normal",
@@ -42,8 +43,6 @@ EXPLORE_MIN_LEFT = 128
 # (drain, catch-up) on the host of the cheapest step there is (H200 run 13, a=0.6, C=128: the
 # adaptive engine's detached plain steps took 0.4-0.7 ms longer than plain decoding's).
 RECHECK_PLAIN = 8
-# A draining batch, or a function that builds it on demand (None where the batch does not drain).
-DrainArg = Drain | Callable[[], Drain | None] | None
 
 
 class SpeculationPolicy:
@@ -79,10 +78,6 @@ class SpeculationPolicy:
         self.probe_overhead = float(probe_overhead)
         self._plain_streak = 0
         self._plain_time = 0.0  # modelled seconds spent in the current plain streak
-        # What speculating would pay once before its first step ((batch size, this cost model)
-        # -> (seconds, horizon)), e.g. the drafter-context catch-up when the engine skipped
-        # those writes (lazy_draft_context); `horizon`: tokens per sequence left to amortise it.
-        self.switch_cost: Callable[[int, StepCostModel], tuple[float, float]] | None = None
         # The live per-step overhead added to a candidate's modelled step.
         self.overhead: StepOverhead | None = None
         # Plain choices left before re-pricing, and what they hold for (see RECHECK_PLAIN).
@@ -153,9 +148,13 @@ class SpeculationPolicy:
                 best = L
         return best if rates[best] > self.min_gain * rates[1] else 1
 
-    def choose(self, batch_size: int, tracker: AcceptanceTracker, drain: DrainArg = None) -> int:
+    def choose(self, batch_size: int, tracker: AcceptanceTracker, drain: DrainArg = None,
+               switch_cost: SwitchCost | None = None) -> int:
         """`drain`: the draining batch (see Drain.tau), or a function that builds it on demand
-        (or returns None), else None."""
+        (or returns None), else None. `switch_cost`: what speculating this step would pay once
+        first ((batch size, this cost model) -> (seconds, horizon)), e.g. the drafter-context
+        catch-up when the engine skipped those writes; `horizon`: tokens per sequence left to
+        amortise it."""
         if self.mode == "fixed":
             return self.fixed_len
         # NOTE: the tracker itself is kept (compared by identity), not its id(), which a new
@@ -163,13 +162,13 @@ class SpeculationPolicy:
         key = (batch_size, tracker, tracker.num_updates)
         if self._memo_left and key == self._memo_key:
             self._memo_left -= 1
-            return self._plain(batch_size)
+            return self._plain(batch_size, switch_cost)
         self._memo_left = 0
         cands = self._candidates(batch_size, tracker)
         rates, drain = self._priced(batch_size, cands, drain)
         choice = self._best(rates)
-        if choice != 1 and self.switch_cost is not None:
-            switch_s, horizon = self.switch_cost(batch_size, self.cost_model)
+        if choice != 1 and switch_cost is not None:
+            switch_s, horizon = switch_cost(batch_size, self.cost_model)
             if switch_s > 0:
                 rates = self._rates(batch_size, cands, switch_s, horizon, drain)
                 choice = self._best(rates)
@@ -180,16 +179,16 @@ class SpeculationPolicy:
                 and (drain is None or drain.left[-1] >= EXPLORE_MIN_LEFT):
             choice = 1  # NOTE: measures plain decode's term (see StepOverhead); not memoised
         if choice == 1:
-            return self._plain(batch_size)
+            return self._plain(batch_size, switch_cost)
         self._end_plain_streak()
         return choice
 
-    def _plain(self, batch_size: int) -> int:
+    def _plain(self, batch_size: int, switch_cost: SwitchCost | None) -> int:
         """A plain-decode choice: extends the plain streak, which may end in a probe."""
         self._plain_streak += 1
         self._plain_time += self.step_cost(batch_size, 1)
         if self.probe_every and self._plain_streak > self.probe_every \
-                and self._probe_affordable(batch_size):
+                and self._probe_affordable(batch_size, switch_cost):
             self._end_plain_streak()
             return self.block_lens[0]
         return 1
@@ -200,7 +199,7 @@ class SpeculationPolicy:
         self._plain_streak, self._plain_time, self._memo_left = 0, 0.0, 0
         self._probe_switch = (None, 0.0)
 
-    def _probe_affordable(self, batch_size: int) -> bool:
+    def _probe_affordable(self, batch_size: int, switch_cost: SwitchCost | None) -> bool:
         """With `probe_overhead` > 0, a probe also waits until its worst-case extra time (a probe
         that commits one token per sequence, like a plain step) is at most that fraction of the
         time spent in the plain streak: at large batches verification costs several plain steps,
@@ -213,12 +212,12 @@ class SpeculationPolicy:
             - self.cost_model.cost(batch_size, 1)
         if extra > budget:
             return False
-        if self.switch_cost is not None:
+        if switch_cost is not None:
             # NOTE: re-asked every RECHECK_PLAIN streak steps only (it can walk the batch): a
             # catch-up grows with the streak, so the probe may come those few steps early.
             at, switch_s = self._probe_switch
             if at is None or self._plain_streak - at >= RECHECK_PLAIN:
-                switch_s = self.switch_cost(batch_size, self.cost_model)[0]
+                switch_s = switch_cost(batch_size, self.cost_model)[0]
                 self._probe_switch = (self._plain_streak, switch_s)
             extra += switch_s
         return extra <= budget
