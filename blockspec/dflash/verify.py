@@ -20,3 +20,15 @@ def num_accepted(drafts: torch.Tensor, target_tokens: torch.Tensor) -> torch.Ten
     """
     match = drafts == target_tokens[:, :-1]
     return match.to(torch.int64).cumprod(dim=1).sum(dim=1)
+
+
+def accepted_counts(drafts: torch.Tensor, target_tokens: torch.Tensor,
+                    uniforms: torch.Tensor | None = None,
+                    acceptance: float | torch.Tensor | None = None) -> torch.Tensor:
+    """Accepted drafts per row [S]: the one acceptance rule of every step (eager or graphed).
+    With `uniforms` (benchmark-only synthetic acceptance) draft j is accepted while its draw is
+    under `acceptance`, whatever the target says; drafts of -1 (past a block's end) never are."""
+    if uniforms is None:
+        return num_accepted(drafts, target_tokens)
+    hits = (uniforms < acceptance) & (drafts >= 0)
+    return hits.to(torch.int64).cumprod(dim=1).sum(dim=1)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from blockspec.dflash.proposer import DFlashProposer
-from blockspec.dflash.verify import num_accepted
+from blockspec.dflash.verify import accepted_counts
 from blockspec.layers.attention import AttentionMetadata
 from blockspec.models.qwen3 import CausalLM
 
@@ -145,11 +145,8 @@ class DecodeStep:
         target = logits.argmax(dim=-1).view(s, q)
         acc = None
         if drafts is not None:
-            if self.synthetic:
-                hits = bufs.uniforms[:s, : q - 1] < bufs.acceptance
-                acc = hits.to(torch.int64).cumprod(dim=1).sum(dim=1)
-            else:
-                acc = num_accepted(drafts, target)
+            acc = accepted_counts(drafts, target, bufs.uniforms[:s, : q - 1], bufs.acceptance) \
+                if self.synthetic else accepted_counts(drafts, target)
         return StepOutputs(target, logits, drafts, acc, staged)
 
 

@@ -17,14 +17,13 @@ from __future__ import annotations
 import dataclasses
 import time
 
-import numpy as np
 import torch
 
 from blockspec.config import ConfigError, EngineConfig, ModelConfig
 from blockspec.dflash.proposer import DFlashProposer
-from blockspec.dflash.verify import num_accepted
 from blockspec.engine.context_staging import ContextStaging, staging_rows
 from blockspec.engine.cost_profile import load_or_measure_costs
+from blockspec.engine.decode_exec import DecodeExecutor
 from blockspec.engine.decode_step import (
     DecodeStep,
     GraphedDecodeStep,
@@ -34,11 +33,10 @@ from blockspec.engine.decode_step import (
 )
 from blockspec.engine.kv_cache import BlockManager
 from blockspec.engine.lazy_context import LazyDraftContext
-from blockspec.engine.mixed_step import MixedStepMixin
-from blockspec.engine.row_sampling import SampleRows, plain_greedy, sample_rows
+from blockspec.engine.mixed_step import MixedStep
 from blockspec.engine.sequence import Sequence
 from blockspec.engine.speculation import SpecController
-from blockspec.engine.step_result import Logprobs, StepResult, StepTimings
+from blockspec.engine.step_result import StepResult, StepTimings
 from blockspec.layers.attention import PagedAttention
 from blockspec.models.qwen3 import CausalLM
 from blockspec.policy.cost_model import StepCostModel
@@ -47,7 +45,7 @@ from blockspec.policy.step_context import NO_CONTEXT, StepContext
 __all__ = ["ModelRunner", "StepResult"]
 
 
-class ModelRunner(MixedStepMixin):
+class ModelRunner:
     def __init__(self, config: EngineConfig, model_cfg: ModelConfig, model: CausalLM,
                  block_manager: BlockManager, dtype: torch.dtype, max_model_len: int,
                  proposer: DFlashProposer | None = None,
@@ -67,13 +65,7 @@ class ModelRunner(MixedStepMixin):
         self.default_generator.manual_seed(config.seed)
         # NOTE: one block more than the manager hands out: the trash block for padded lanes.
         self.trash_block = block_manager.num_blocks
-        layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
-        self.kv_cache = torch.zeros(2, len(layers), block_manager.num_blocks + 1,
-                                    block_manager.block_size, model_cfg.num_key_value_heads,
-                                    model_cfg.head_dim, dtype=dtype, device=self.device)
-        for i, layer in enumerate(layers):
-            layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
-
+        self._bind_kv_cache()
         self.max_block = proposer.block_size if proposer is not None else 1
         self.spec_lens = sorted(set(block_lens or []) | {self.max_block}) \
             if proposer is not None else []
@@ -85,56 +77,80 @@ class ModelRunner(MixedStepMixin):
                                     synthetic=self.synthetic is not None,
                                     defer_context=proposer is not None and L == 1)
                       for L in [1, *self.spec_lens]}
-        self.staging: ContextStaging | None = None
-        if proposer is not None:
-            width = len(proposer.target_layer_ids) * model_cfg.hidden_size
-            self.staging = ContextStaging(proposer, block_manager, self.trash_block,
-                                          staging_rows(config.max_num_seqs), width, dtype,
-                                          self.device)
-        self.lazy: LazyDraftContext | None = None
-        if self.staging is not None and config.use_lazy_draft_context:
-            self.lazy = LazyDraftContext(model, proposer, block_manager, self.staging,
-                                         self.trash_block, config.max_num_batched_tokens,
-                                         max_model_len, config.max_num_seqs, self.device)
+        self._init_draft_context()
         self.decode = self.steps[self.max_block]  # the fixed policy's step (and the AR step)
         max_blocks = -(-(max_model_len + self.max_block) // block_manager.block_size)
         self.bufs = StepBuffers.allocate(config.max_num_seqs, max_blocks, self.max_block,
                                          self.device, self.synthetic or 0.0)
         self.bufs.block_tables.fill_(self.trash_block)
         self.buckets = graph_buckets(config.max_num_seqs)
+        self.mixed = MixedStep(model, proposer, block_manager, model_cfg.vocab_size, self.device,
+                               self.default_generator, self.synced)
+        self.decoder = DecodeExecutor(self.bufs, self.trash_block, block_manager.block_size,
+                                      model_cfg.vocab_size, self.staging, self.default_generator,
+                                      self.synced, proposer is not None)
         self.graphs_by_len: dict[int, GraphedDecodeStep] = {}
         if self.device.type == "cuda" and not config.enforce_eager:
-            # Graphs for every block length the policy can choose (fixed: the max block only).
-            lens = graphed_block_lens(adaptive, self.spec_lens, self.max_block)
-            pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
-            # NOTE: one pool, largest block first: smaller graphs reuse its intermediates.
-            for L in sorted(lens, reverse=True):
-                graphed = GraphedDecodeStep(self.steps[L], self.bufs, self.buckets)
-                graphed.capture(pool, stream)
-                self.graphs_by_len[L] = graphed
-            if self.lazy is not None and adaptive:  # the detached plain step, captured last
-                self.lazy.graphs = GraphedDecodeStep(self.lazy.step, self.bufs, self.buckets)
-                self.lazy.graphs.capture(pool, stream)
+            self._capture_graphs(adaptive)
         self.graphs = self.graphs_by_len.get(self.max_block)  # compat: the max block's graphs
-
         self.timings = StepTimings()  # the runner's parts; the engine adds its own and steps
         # The policy's last choice, and the block length the scheduler budgeted this step for
         # (see next_budget_lookahead).
         self.last_block_len = self.max_block
         self.budget_block_len = self.max_block
-        self.controller: SpecController | None = None
         # (decoding sequences, block length) of the last step if it was an all-decode step
         # without a catch-up: the engine reports its wall time (observe_step_time).
         self.timed_step: tuple[int, int] | None = None
         self.cost_profile_info: dict | None = None
+        self.controller: SpecController | None = None  # NOTE: None while costs are measured
         if proposer is not None:
-            cost_model = None
-            if adaptive:
-                cost_model, self.cost_profile_info = load_or_measure_costs(self, config)
-            graphs = self.graphs_by_len.get(self.max_block)
-            self.controller = SpecController(
-                self.spec_lens, config.speculation_policy, cost_model,
-                batch_bucket=graphs.bucket_for if graphs is not None else None)
+            self.controller = self._init_controller(adaptive)
+
+    def _bind_kv_cache(self) -> None:
+        bm, cfg = self.bm, self.model_cfg
+        layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
+        self.kv_cache = torch.zeros(2, len(layers), bm.num_blocks + 1, bm.block_size,
+                                    cfg.num_key_value_heads, cfg.head_dim, dtype=self.dtype,
+                                    device=self.device)
+        for i, layer in enumerate(layers):
+            layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+
+    def _init_draft_context(self) -> None:
+        """The plain steps' staged drafter context, and the lazy (detached) context."""
+        cfg, proposer = self.config, self.proposer
+        self.staging: ContextStaging | None = None
+        self.lazy: LazyDraftContext | None = None
+        if proposer is None:
+            return
+        width = len(proposer.target_layer_ids) * self.model_cfg.hidden_size
+        self.staging = ContextStaging(proposer, self.bm, self.trash_block,
+                                      staging_rows(cfg.max_num_seqs), width, self.dtype,
+                                      self.device)
+        if cfg.use_lazy_draft_context:
+            self.lazy = LazyDraftContext(self.model, proposer, self.bm, self.staging,
+                                         self.trash_block, cfg.max_num_batched_tokens,
+                                         self.max_model_len, cfg.max_num_seqs, self.device)
+
+    def _capture_graphs(self, adaptive: bool) -> None:
+        """Graphs for every block length the policy can choose (fixed: the max block only)."""
+        lens = graphed_block_lens(adaptive, self.spec_lens, self.max_block)
+        pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
+        # NOTE: one pool, largest block first: smaller graphs reuse its intermediates.
+        for L in sorted(lens, reverse=True):
+            graphed = GraphedDecodeStep(self.steps[L], self.bufs, self.buckets)
+            graphed.capture(pool, stream)
+            self.graphs_by_len[L] = graphed
+        if self.lazy is not None and adaptive:  # the detached plain step, captured last
+            self.lazy.graphs = GraphedDecodeStep(self.lazy.step, self.bufs, self.buckets)
+            self.lazy.graphs.capture(pool, stream)
+
+    def _init_controller(self, adaptive: bool) -> SpecController:
+        cost_model = None
+        if adaptive:
+            cost_model, self.cost_profile_info = load_or_measure_costs(self, self.config)
+        graphs = self.graphs_by_len.get(self.max_block)
+        return SpecController(self.spec_lens, self.config.speculation_policy, cost_model,
+                              batch_bucket=graphs.bucket_for if graphs is not None else None)
 
     # -- benchmark hooks (not serving options) ----------------------------------------------
     def set_policy(self, mode: str, fixed_len: int | None = None) -> None:
@@ -200,51 +216,71 @@ class ModelRunner(MixedStepMixin):
         decoding = [n == 1 and s.num_computed_tokens == s.num_tokens - 1
                     for s, n in zip(seqs, num_new_tokens)]
         n_dec = sum(decoding)
-        L = 1
-        lazy = self.lazy
-        n_policy = n_dec
-        if lazy is not None and self.controller is not None:
-            n_policy = lazy.policy_batch(n_dec, ctx, self.controller)
-            # NOTE: the policy prices a catch-up of this step's decoding sequences
-            ctx = dataclasses.replace(ctx, switch_cost=lazy.switch_cost(seqs, decoding))
-        if self.controller is not None and n_dec:
-            L = self.last_block_len = self.controller.choose(n_policy, ctx)
-            if L > self.budget_block_len:
-                L = self._fit_budget(L, n_dec, len(seqs))
-        # Tokens verified per decoding sequence: its last token plus L - 1 drafts, cut at the end
-        # of the context. Without a drafter, 0: decodes go through the plain paths.
-        # NOTE: at L = 1 (every step without a drafter) they are 1 (0 without a drafter) for
-        # decoding sequences, so the all-decode step needs no per-sequence pass here.
-        blens: list[int] | None = None
-        drafting = False
-        if L >= 2:
-            blens = [min(L, self.max_model_len - s.num_computed_tokens) if d else 0
-                     for s, d in zip(seqs, decoding)]
-            drafting = max(blens) >= 2
-            if drafting:
-                self.flush_context()  # NOTE: the drafter runs: its context must be whole
+        L = self._choose(seqs, decoding, n_dec, ctx)
+        blens = self._blocks(seqs, decoding, L)
+        drafting = blens is not None and max(blens) >= 2
+        if drafting:
+            self.flush_context()  # NOTE: the drafter runs: its context must be whole
         plain_decode = n_dec == len(seqs) and (blens is None or all(b == L for b in blens))
-        self.timed_step = (n_dec, L) if plain_decode and self.controller is not None else None
-        if lazy is not None:
-            catchups = lazy.num_catchups
-            lazy.before_step(seqs, blens if drafting else None, L, n_dec, plain_decode and L == 1)
-            if lazy.num_catchups != catchups:
-                self.timed_step = None  # NOTE: a catch-up is priced by switch_cost, not here
+        self._before(seqs, blens if drafting else None, L, n_dec, plain_decode)
         if plain_decode:
             res = self._execute_decode(seqs, L)
         else:
             if blens is None:
                 one = 1 if self.proposer is not None else 0
                 blens = [one if d else 0 for d in decoding]
-            res = self._execute_mixed(seqs, num_new_tokens, blens)
-        if lazy is not None and not lazy.detached and not (plain_decode and L == 1):
+            # NOTE: detached (lazy_draft_context): no drafter context now; caught up before the
+            # drafter next runs for these sequences.
+            lazy = self.lazy
+            write = self.proposer is not None and not (lazy is not None and lazy.detached)
+            res = self.mixed(seqs, num_new_tokens, blens, write, self.synthetic)
+        if self.lazy is not None and not self.lazy.detached and not (plain_decode and L == 1):
             # NOTE: an attached plain step staged its rows (a drafter exists, so steps[1] defers
             # its context): they count when flushed.
-            lazy.count_written(seqs, res.advance)
+            self.lazy.count_written(seqs, res.advance)
         res.block_len = L if n_dec else 0
         if self.controller is not None and n_dec:
             self.controller.observe(L, res.drafted, res.accepted)
         return res
+
+    def _choose(self, seqs: list[Sequence], decoding: list[bool], n_dec: int,
+                ctx: StepContext) -> int:
+        """The step's block length (1: plain decode): the policy's choice at the batch it
+        prices (the load, while the lazy context is detached), cut to the token budget."""
+        if self.controller is None:
+            return 1
+        n_policy = n_dec
+        if self.lazy is not None:
+            # NOTE: also in a step that only prefills: the load rule detaches before prefills
+            # write drafter context the policy would not use
+            n_policy = self.lazy.policy_batch(n_dec, ctx, self.controller)
+            ctx = dataclasses.replace(ctx, switch_cost=self.lazy.switch_cost(seqs, decoding))
+        if not n_dec:
+            return 1
+        L = self.last_block_len = self.controller.choose(n_policy, ctx)
+        return self._fit_budget(L, n_dec, len(seqs)) if L > self.budget_block_len else L
+
+    def _blocks(self, seqs: list[Sequence], decoding: list[bool], L: int) -> list[int] | None:
+        """Tokens verified per decoding sequence at L >= 2: its last token plus L - 1 drafts,
+        cut at the end of the context; None at L = 1 (plain decode or no drafter), where the
+        all-decode step needs no per-sequence pass."""
+        if L < 2:
+            return None
+        return [min(L, self.max_model_len - s.num_computed_tokens) if d else 0
+                for s, d in zip(seqs, decoding)]
+
+    def _before(self, seqs: list[Sequence], draft_blens: list[int] | None, L: int, n_dec: int,
+                plain_decode: bool) -> None:
+        """Which steps time the policy's overhead term, and the lazy context's bookkeeping
+        (detach, catch up) before the step runs."""
+        self.timed_step = (n_dec, L) if plain_decode and self.controller is not None else None
+        lazy = self.lazy
+        if lazy is None:
+            return
+        catchups = lazy.num_catchups
+        lazy.before_step(seqs, draft_blens, L, n_dec, plain_decode and L == 1)
+        if lazy.num_catchups != catchups:
+            self.timed_step = None  # NOTE: a catch-up is priced by switch_cost, not here
 
     def observe_step_time(self, seconds: float) -> None:
         """The engine's wall time of the step just run (schedule to outputs), for the policy's
@@ -271,76 +307,7 @@ class ModelRunner(MixedStepMixin):
 
     def _execute_decode(self, seqs: list[Sequence], q: int) -> StepResult:
         """All sequences decoding with a block of `q`: the fixed-shape (graphable) step."""
-        n, bufs = len(seqs), self.bufs
         step, graphs = self.steps[q], self.graphs_by_len.get(q)
         if q == 1 and self.lazy is not None and self.lazy.detached:
             step, graphs = self.lazy.step, self.lazy.graphs  # no drafter work at all
-        tables = np.full((n, bufs.block_tables.shape[1]), self.trash_block, dtype=np.int32)
-        for i, seq in enumerate(seqs):
-            tables[i, :len(seq.block_table)] = seq.block_table
-        bufs.last_tokens[:n].copy_(
-            torch.tensor([(s.output_token_ids or s.prompt_token_ids)[-1] for s in seqs]),
-            non_blocking=True)
-        ctx = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=n)
-        bufs.ctx_lens[:n].copy_(torch.from_numpy(ctx), non_blocking=True)
-        bufs.block_tables[:n].copy_(torch.from_numpy(tables), non_blocking=True)
-        if self.synthetic is not None and q > 1:
-            bufs.uniforms.uniform_(generator=self.default_generator)
-        bucket = graphs.bucket_for(n) if graphs is not None else None
-        if bucket is not None:
-            # Padded lanes: trash block, empty context.
-            bufs.block_tables[n:bucket].fill_(self.trash_block)
-            bufs.ctx_lens[n:bucket].zero_()
-            out = graphs.replay(n)
-        else:
-            out = step(bufs, n)
-        if out.taps is not None:
-            # NOTE: now, before the next replay overwrites the graph's output.
-            # With lazy context the flush counts the rows it writes into their sequences.
-            self.staging.stage(out.taps, ctx, tables[np.arange(n), ctx // self.bm.block_size],
-                               seqs if self.lazy is not None else None)
-        target = out.target_tokens[:n]
-        logits = out.logits[:n * q]
-        row_seqs = [s for s in seqs for _ in range(q)]
-        greedy = plain_greedy(seqs)
-        if not greedy:
-            rows = SampleRows(row_seqs, list(range(q)) * n,
-                              out.drafts[:n] if out.drafts is not None else None,
-                              [i for i in range(n) for _ in range(q)])
-            target = sample_rows(logits, rows, self.model_cfg.vocab_size).view(n, q)
-        acc = None
-        if out.drafts is not None:
-            # NOTE: the graph's own acceptance compares drafts with the raw argmax.
-            acc = out.num_accepted[:n] if self.synthetic is not None or greedy \
-                else num_accepted(out.drafts[:n], target)
-        lp = self._logprobs(logits.float(), target.reshape(-1), row_seqs) if any(
-            s.params.logprobs is not None for s in seqs) else [None] * (n * q)
-        return self._emit(seqs, target, out.drafts, acc, lp, q)
-
-    def _emit(self, seqs: list[Sequence], target: torch.Tensor, drafts: torch.Tensor | None,
-              acc: torch.Tensor | None, lp: list[Logprobs], q: int) -> StepResult:
-        """One host sync, then each sequence's committed tokens: accepted drafts + bonus."""
-        n = len(seqs)
-        if acc is None and q == 1:  # plain decode: one token per sequence, no drafts
-            host = self.synced(target.reshape(n))
-            return StepResult([1] * n, list(seqs), [[t] for t in host], [[x] for x in lp],
-                              [0] * n, [0] * n, [1 if self.proposer is not None else 0] * n)
-        parts = [target.reshape(n, -1)]
-        if acc is not None:
-            parts += [drafts[:n], acc[:n, None]]
-        host = self.synced(torch.cat(parts, dim=1))  # NOTE: the step's one host sync
-        tokens, lps, drafted, accepted = [], [], [], []
-        for i, row in enumerate(host):
-            tgt = row[:q]
-            a = row[-1] if acc is not None else 0
-            if acc is not None and self.synthetic is not None:
-                # Benchmark mode: the drafts themselves are committed (their K/V are in the cache).
-                toks = row[q:q + a] + [tgt[a]]
-            else:
-                toks = tgt[:a + 1]
-            tokens.append(toks)
-            lps.append(lp[i * q:i * q + a + 1])
-            drafted.append(q - 1 if acc is not None else 0)
-            accepted.append(a)
-        return StepResult([len(t) for t in tokens], list(seqs), tokens, lps, drafted, accepted,
-                          [q if self.proposer is not None else 0] * n)
+        return self.decoder(seqs, step, graphs, self.synthetic, self.lazy is not None)

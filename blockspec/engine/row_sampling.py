@@ -13,8 +13,9 @@ from dataclasses import dataclass
 import torch
 
 from blockspec.engine.sequence import Sequence
+from blockspec.engine.step_result import Logprobs
 from blockspec.layers.logits_processors import RowContext, process_logits
-from blockspec.layers.sampler import SamplingTensors, sample
+from blockspec.layers.sampler import SamplingTensors, chosen_logprobs, sample
 
 
 @dataclass
@@ -57,3 +58,25 @@ def sample_rows(logits: torch.Tensor, rows: SampleRows, vocab_size: int) -> torc
     st = SamplingTensors.build(params, [s.sampling_seed for s in rows.seqs], positions,
                                vocab_size, logits.device)
     return sample(logits, st)
+
+
+def row_logprobs(logits: torch.Tensor, tokens: torch.Tensor,
+                 row_seqs: list[Sequence]) -> list[Logprobs]:
+    """Per row, for requests that asked: {chosen token: logprob, plus its top k} from the raw
+    model distribution (vLLM's default), else None."""
+    want = [s.params.logprobs for s in row_seqs]
+    if all(w is None for w in want):
+        return [None] * len(row_seqs)
+    k = max(w or 0 for w in want)
+    chosen, top_vals, top_ids = (x.tolist() for x in chosen_logprobs(logits, tokens, k))
+    toks = tokens.tolist()
+    out: list[Logprobs] = []
+    for r, w in enumerate(want):
+        if w is None:
+            out.append(None)
+            continue
+        d = {toks[r]: chosen[r]}
+        for j in range(w):
+            d.setdefault(top_ids[r][j], top_vals[r][j])
+        out.append(d)
+    return out
