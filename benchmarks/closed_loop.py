@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import time
 from collections import defaultdict
-from pathlib import Path
 
 import torch
 
-from blockspec.bench.common import git_commit, recorded_command
+from blockspec.bench.common import git_commit, recorded_command, write_json
 from blockspec.bench.datasets import load_jsonl, token_ids
 from blockspec.bench.offline import run_requests
 from blockspec.config import EngineConfig
@@ -122,9 +120,7 @@ def main() -> int:
         for k, v in r["steps"].items():
             print(f"    {k:12s} n={v['n']:5d} mean {v['mean_ms']:7.2f} ms  "
                   f"tokens {v['tokens_mean']:7.1f}", flush=True)
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "closed_loop.json").write_text(json.dumps(res, indent=1) + "\n")
+    write_json(args.out_dir, "closed_loop.json", res)
     return 0
 
 

@@ -15,13 +15,11 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
-from pathlib import Path
 
 import torch
 
 from blockspec import LLM, SamplingParams
-from blockspec.bench.common import git_commit, recorded_command
+from blockspec.bench.common import git_commit, recorded_command, write_json
 from blockspec.bench.datasets import completion_prompt, load_jsonl
 from blockspec.demo import demo_drafter, demo_target
 
@@ -89,9 +87,7 @@ def main() -> int:
         del ar, spec
         if device == "cuda":
             torch.cuda.empty_cache()
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "seeded_sampling.json").write_text(json.dumps(res, indent=1) + "\n")
+    write_json(args.out_dir, "seeded_sampling.json", res)
     return 0
 
 

@@ -111,19 +111,14 @@ SETTINGS = settings(max_examples=150, deadline=None, derandomize=True, database=
                                            HealthCheck.too_slow])
 
 
+@pytest.mark.parametrize("path,bodies", [("/v1/completions", COMPLETION),
+                                         ("/v1/chat/completions", CHAT)],
+                         ids=["completions", "chat"])
 @SETTINGS
-@given(body=COMPLETION, opts=STREAM_OPTIONS)
-def test_completions_never_5xx(tc, body, opts):
-    body = with_stream_options(body, opts)
-    r = tc.post("/v1/completions", content=json.dumps(body), headers=JSON)
-    check_answer(r, body.get("stream") is True)
-
-
-@SETTINGS
-@given(body=CHAT, opts=STREAM_OPTIONS)
-def test_chat_never_5xx(tc, body, opts):
-    body = with_stream_options(body, opts)
-    r = tc.post("/v1/chat/completions", content=json.dumps(body), headers=JSON)
+@given(data=st.data())
+def test_never_5xx(tc, path, bodies, data):
+    body = with_stream_options(data.draw(bodies), data.draw(STREAM_OPTIONS))
+    r = tc.post(path, content=json.dumps(body), headers=JSON)
     check_answer(r, body.get("stream") is True)
 
 

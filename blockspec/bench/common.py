@@ -84,6 +84,15 @@ def recorded_command(script: str) -> str:
     return f"python {script} " + shlex.join(redact_argv(sys.argv[1:]))
 
 
+def write_json(out_dir: str | Path, name: str, obj: Any) -> Path:
+    """A benchmark script's result file `out_dir/name` (the folder made if needed)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / name
+    path.write_text(json.dumps(obj, indent=1) + "\n")
+    return path
+
+
 def git_commit() -> str | None:
     """HEAD of this checkout, or $BLOCKSPEC_COMMIT where set (a copied tree whose git metadata
     is not its own, as on a lent GPU machine)."""
