@@ -30,8 +30,8 @@ from blockspec.sampling_params import SamplingParams
 CONFIGS = {
     "ar": dict(draft=None),
     "adaptive": dict(),
-    "adaptive, no lazy context": dict(lazy_draft_context=False),
-    "fixed 16": dict(speculation_policy="fixed"),
+    "adaptive-no-lazy": dict(lazy_draft_context=False),
+    "fixed-16": dict(speculation_policy="fixed"),
 }
 
 
@@ -68,7 +68,11 @@ def run_config(name: str, overrides: dict, prompts: list, params: SamplingParams
           "enable_prefix_caching": False, **overrides}
     kw.update(num_kv_blocks=1024) if device == "cpu" else kw.update(kv_cache_memory_gb=8.0)
     engine = LLMEngine(EngineConfig(**kw))
-    run_requests(engine, prompts[:c], params, c, "warm", show=False)  # JIT, graphs, caches
+    # NOTE: a warm-up with arrivals (staggered lengths), like bench offline's: steps that mix
+    # prefills with speculative decodes compile kernel variants of their own
+    warm = [SamplingParams(temperature=0, max_tokens=16 + i % c, ignore_eos=True)
+            for i in range(2 * c)]
+    run_requests(engine, prompts[:2 * c], warm, c, "warm", show=False)
     steps = instrument(engine)
     t0 = time.perf_counter()
     records, seconds, spec = run_requests(engine, prompts, params, c, "run", show=False)

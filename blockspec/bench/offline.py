@@ -48,10 +48,22 @@ def default_label(model: str, draft: str | None, block: int, synthetic: float | 
     return label
 
 
-def run_requests(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams,
-                 concurrency: int, tag: str, show: bool = True
-                 ) -> tuple[list[RequestRecord], float, SpecStats]:
-    """Closed loop: keep `concurrency` requests in the engine until all prompts are done."""
+def warmup_params(args: argparse.Namespace, concurrency: int) -> list[SamplingParams]:
+    """A level's warm-up: 2 x C requests of staggered lengths, so they finish at different steps
+    and new ones arrive while others decode, as in the level itself. NOTE: steps that mix
+    prefills with decodes compile kernel variants that all-at-once batches never need (measured
+    on an H200: ~50 ms more per mixed speculative step until they exist), so a warm-up without
+    arrivals charged that to the first level's timing."""
+    base = max(args.warmup_tokens, 1)
+    return [SamplingParams(temperature=args.temperature, max_tokens=base + i % concurrency,
+                           ignore_eos=True) for i in range(2 * concurrency)]
+
+
+def run_requests(engine: LLMEngine, prompts: list[list[int]],
+                 params: SamplingParams | list[SamplingParams], concurrency: int, tag: str,
+                 show: bool = True) -> tuple[list[RequestRecord], float, SpecStats]:
+    """Closed loop: keep `concurrency` requests in the engine until all prompts are done.
+    `params`: one for every request, or one per prompt."""
     pending = deque(enumerate(prompts))
     in_flight: dict[str, tuple[float, float | None, list[float]]] = {}  # rid -> start, last, itl
     records: list[RequestRecord] = []
@@ -62,7 +74,8 @@ def run_requests(engine: LLMEngine, prompts: list[list[int]], params: SamplingPa
             i, p = pending.popleft()
             # NOTE: "delta": a per-step output (for inter-token latency) without per-step copies
             # of everything generated so far.
-            rid = engine.add_request(p, params, request_id=f"bench-{tag}-{i}", stream=False,
+            sp = params[i] if isinstance(params, list) else params
+            rid = engine.add_request(p, sp, request_id=f"bench-{tag}-{i}", stream=False,
                                      output_kind="delta")
             in_flight[rid] = (time.monotonic(), None, [])
 
@@ -165,15 +178,14 @@ def run_offline(args: argparse.Namespace, engine_kwargs: Callable[[argparse.Name
         print(f"[blockspec] note: --max-num-seqs {engine.config.max_num_seqs} caps the running "
               f"batch below C={max(levels)}", file=sys.stderr)
     warm_len = min(32, max(len(p) for p in prompts))
-    warm = [s.prompt for s in random_samples(max(levels), warm_len, 10_000 + args.dataset_seed,
-                                             vocab, special)]
-    warm_params = SamplingParams(temperature=args.temperature,
-                                 max_tokens=max(args.warmup_tokens, 1), ignore_eos=True)
-    run_requests(engine, warm[:1], warm_params, 1, "warmup", show=False)
+    warm = [s.prompt for s in random_samples(2 * max(levels), warm_len,
+                                             10_000 + args.dataset_seed, vocab, special)]
+    run_requests(engine, warm[:1], warmup_params(args, 1)[0], 1, "warmup", show=False)
     start = 0
     for c, n in zip(levels, counts):
         if args.warmup_tokens:
-            run_requests(engine, warm[:c], warm_params, c, f"warmup{c}", show=False)
+            run_requests(engine, warm[:2 * c], warmup_params(args, c), c, f"warmup{c}",
+                         show=False)
         records, duration, spec = run_requests(engine, prompts[start:start + n], params, c,
                                                f"c{c}")
         start += n
