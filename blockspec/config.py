@@ -225,6 +225,20 @@ class EngineConfig:
     benchmark_mode: bool = False
 
     def __post_init__(self) -> None:
+        self._validate_device()
+        self._validate_sizes()
+        self._validate_speculation()
+        self._validate_synthetic()
+        for name, value, allowed in (("attention backend", self.attention_backend,
+                                      ("auto", "torch", "triton")),
+                                     ("linear backend", self.linear_backend,
+                                      ("auto", "torch", "triton")),
+                                     ("load_format", self.load_format, ("auto", "dummy"))):
+            if value not in allowed:
+                raise ConfigError(f"{name} must be {', '.join(allowed[:-1])} or {allowed[-1]}, "
+                                  f"got {value!r}")
+
+    def _validate_device(self) -> None:
         if self.device is None:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
         if self.device.split(":")[0] not in ("cpu", "cuda"):
@@ -233,41 +247,32 @@ class EngineConfig:
             raise ConfigError("device cuda requested but no CUDA GPU is available")
         if self.dtype != "auto":
             parse_dtype(self.dtype)
+
+    def _validate_sizes(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ConfigError("max_model_len must be positive")
-        if self.max_num_seqs <= 0:
-            raise ConfigError("max_num_seqs must be positive")
-        if self.max_num_batched_tokens <= 0:
-            raise ConfigError("max_num_batched_tokens must be positive")
         if self.kv_block_size <= 0 or self.kv_block_size & (self.kv_block_size - 1):
             raise ConfigError("kv_block_size must be a positive power of two")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ConfigError("gpu_memory_utilization must be in (0, 1]")
         if self.kv_cache_memory_gb is not None and self.kv_cache_memory_gb <= 0:
             raise ConfigError("kv cache memory budget must be positive")
-        if self.block_size is not None and self.block_size < 2:
-            raise ConfigError(f"block_size must be >= 2, got {self.block_size}")
-        if self.block_size is not None and self.draft is None:
-            raise ConfigError("block_size is the speculative block length: it needs a draft model")
-        self._validate_speculation()
-        if self.synthetic_acceptance is not None:
-            if not self.benchmark_mode:
-                raise ConfigError("synthetic acceptance is a benchmark-only mode (its output is "
-                                  "not the target's); it is refused outside benchmarks")
-            if not 0.0 <= self.synthetic_acceptance <= 1.0:
-                raise ConfigError("synthetic acceptance must be a probability in [0, 1]")
-            if self.draft is None:
-                raise ConfigError("synthetic acceptance needs a draft model")
-        if self.attention_backend not in ("auto", "torch", "triton"):
-            raise ConfigError(f"attention backend must be auto, torch or triton, got "
-                              f"{self.attention_backend!r}")
-        if self.linear_backend not in ("auto", "torch", "triton"):
-            raise ConfigError(f"linear backend must be auto, torch or triton, got "
-                              f"{self.linear_backend!r}")
-        if self.load_format not in ("auto", "dummy"):
-            raise ConfigError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ConfigError("num_kv_blocks must be positive")
+
+    def _validate_synthetic(self) -> None:
+        if self.synthetic_acceptance is None:
+            return
+        if not self.benchmark_mode:
+            raise ConfigError("synthetic acceptance is a benchmark-only mode (its output is "
+                              "not the target's); it is refused outside benchmarks")
+        if not 0.0 <= self.synthetic_acceptance <= 1.0:
+            raise ConfigError("synthetic acceptance must be a probability in [0, 1]")
+        if self.draft is None:
+            raise ConfigError("synthetic acceptance needs a draft model")
 
     @property
     def use_lazy_draft_context(self) -> bool:
@@ -278,6 +283,10 @@ class EngineConfig:
         return self.draft is not None and self.speculation_policy == "adaptive"
 
     def _validate_speculation(self) -> None:
+        if self.block_size is not None and self.block_size < 2:
+            raise ConfigError(f"block_size must be >= 2, got {self.block_size}")
+        if self.block_size is not None and self.draft is None:
+            raise ConfigError("block_size is the speculative block length: it needs a draft model")
         if self.speculation_policy not in ("adaptive", "fixed"):
             raise ConfigError(f"speculation policy must be adaptive or fixed, got "
                               f"{self.speculation_policy!r}")

@@ -223,17 +223,8 @@ class ModelRunner:
             self.flush_context()  # NOTE: the drafter runs: its context must be whole
         plain_decode = n_dec == len(seqs) and (blens is None or all(b == L for b in blens))
         self._before(seqs, blens if drafting else None, L, n_dec, plain_decode)
-        if plain_decode:
-            res = self._execute_decode(seqs, L)
-        else:
-            if blens is None:
-                one = 1 if self.proposer is not None else 0
-                blens = [one if d else 0 for d in decoding]
-            # NOTE: detached (lazy_draft_context): no drafter context now; caught up before the
-            # drafter next runs for these sequences.
-            lazy = self.lazy
-            write = self.proposer is not None and not (lazy is not None and lazy.detached)
-            res = self.mixed(seqs, num_new_tokens, blens, write, self.synthetic)
+        res = self._execute_decode(seqs, L) if plain_decode \
+            else self._execute_mixed(seqs, num_new_tokens, decoding, blens)
         if self.lazy is not None and not self.lazy.detached and not (plain_decode and L == 1):
             # NOTE: an attached plain step staged its rows (a drafter exists, so steps[1] defers
             # its context): they count when flushed.
@@ -242,6 +233,16 @@ class ModelRunner:
         if self.controller is not None and n_dec:
             self.controller.observe(L, res.drafted, res.accepted)
         return res
+
+    def _execute_mixed(self, seqs: list[Sequence], num_new_tokens: list[int],
+                       decoding: list[bool], blens: list[int] | None) -> StepResult:
+        if blens is None:
+            one = 1 if self.proposer is not None else 0
+            blens = [one if d else 0 for d in decoding]
+        # NOTE: detached (lazy_draft_context): no drafter context now; caught up before the
+        # drafter next runs for these sequences.
+        write = self.proposer is not None and not (self.lazy is not None and self.lazy.detached)
+        return self.mixed(seqs, num_new_tokens, blens, write, self.synthetic)
 
     def _choose(self, seqs: list[Sequence], decoding: list[bool], n_dec: int,
                 ctx: StepContext) -> int:
