@@ -183,7 +183,8 @@ class LLMEngine:
         seed = params.seed if params.seed is not None \
             else derive_seed(self.config.seed, next(self._seed_counter))
         seq = Sequence(request_id, ids, params, max_tokens, eos_token_ids=self.eos_token_ids,
-                       sampling_seed=seed)
+                       sampling_seed=seed,
+                       plain_greedy=params.greedy and not params.has_processors)
         if self.runner.proposer is not None:
             seq.metrics.spec = SpecStats()
         self.outputs.add(request_id, EngineRequest(

@@ -28,7 +28,7 @@ class SampleRows:
 
 def plain_greedy(seqs: list[Sequence]) -> bool:
     """Every sequence takes the raw argmax, so a graph's own pick and acceptance serve."""
-    return all(s.params.greedy and not s.params.has_processors for s in seqs)
+    return all(s.plain_greedy for s in seqs)
 
 
 def _contexts(rows: SampleRows) -> list[RowContext | None]:

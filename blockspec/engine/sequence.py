@@ -68,6 +68,9 @@ class Sequence:
     # NOTE: the request's seed (its own, or one derived from the engine seed): with the output
     # position it fixes every random draw of the request (layers/counter_rng).
     sampling_seed: int = 0
+    # NOTE: params.greedy and no logits processors, fixed at admission: the decode step asks it
+    # of every sequence every step (a graph's own argmax then serves)
+    plain_greedy: bool = False
     logprobs: list[dict[int, float]] = field(default_factory=list)
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(time.monotonic()))
 
