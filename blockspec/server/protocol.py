@@ -13,10 +13,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict
 
 from blockspec.config import ConfigError
-from blockspec.sampling_params import SamplingParams
+from blockspec.sampling_params import MAX_LOGPROBS, SamplingParams
 from blockspec.server.errors import APIError, from_config_error
 
-MAX_LOGPROBS = 20  # like vLLM's default max_logprobs; the engine itself has no bound
 _MIN_TOP_P = 1e-30  # well inside fp32's normal range
 
 
