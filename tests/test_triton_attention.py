@@ -256,3 +256,20 @@ def test_cuda_graph_replay_with_new_metadata():
 @pytest.mark.skipif(TRITON_HERE, reason="the Triton cases ran in this process")
 def test_in_fresh_process():
     run_file_with_triton_interpreter(__file__)
+
+
+def test_long_queries_share_one_tile_shape():
+    """Prefill chunks and mixed steps of any length > SPLIT_MAX_QUERY_LEN launch one BLOCK_M
+    (so serving compiles no new variant for the lengths requests bring); short queries keep
+    their own (the graphs' decode / verify shapes)."""
+    be = TritonAttentionBackend()
+    for group in (1, 2, 4, 8):
+        long = {be.block_m(q, group) for q in range(ta.SPLIT_MAX_QUERY_LEN + 1, 600)}
+        assert long == {max(be.max_block_m, group)}
+        assert be.block_m(1, group) == max(16, group)
+        assert be.block_m(16, group) == min(max(16, 16 * group), be.max_block_m)
+    kernel = ta._attn_kernel
+    if type(kernel).__name__ == "JITFunction":  # NOTE: the interpreter never specialises
+        names = [kernel.arg_names[i] if isinstance(i, int) else i
+                 for i in kernel.do_not_specialize]
+        assert "stride_bt" in names

@@ -16,7 +16,8 @@ __all__ = ["CompileLog", "allocator_counters", "profiled"]
 
 
 class CompileLog:
-    """Every Triton JIT compile in the process while `active`, as (kernel, seconds, key)."""
+    """Every Triton JIT compile in the process while `active`, as (kernel, seconds, the end of
+    its cache key: the constexprs and specialisations)."""
 
     def __init__(self) -> None:
         self.events: list[tuple[str, float, str]] = []
@@ -36,7 +37,7 @@ class CompileLog:
             out = original(fn_self, key, *args, **kwargs)
             if log.active:
                 log.events.append((getattr(fn_self, "__name__", repr(fn_self)),
-                                   time.perf_counter() - t0, str(key)[:300]))
+                                   time.perf_counter() - t0, str(key)[-400:]))
             return out
 
         JITFunction._do_compile = logged

@@ -80,7 +80,10 @@ def _split_range(seq_len, q_len, q_tile, BLOCK_Q: tl.constexpr, BLOCK_N: tl.cons
     return kv_end, tl.maximum(chunk, MIN_CHUNK)
 
 
-@triton.jit
+# NOTE: the block table's row stride is the batch's widest table in eager steps, so it changes
+# step to step; specialising on its value (== 1, divisible by 16) would compile new variants
+# mid-serving (~1 s each on an H200) for a scalar gather that gains nothing from them.
+@triton.jit(do_not_specialize=["stride_bt"])
 def _attn_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr,
                  cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr, qk_scale,
                  stride_qt, stride_qh, stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
@@ -240,6 +243,16 @@ class TritonAttentionBackend:
         self.max_block_m, self.block_n, self.num_splits = max_block_m, block_n, num_splits
         self.num_warps, self.num_stages, self.split_keys = num_warps, num_stages, split_keys
 
+    def block_m(self, max_query_len: int, group: int) -> int:
+        """Query rows per program. tl.dot needs M >= 16 and a whole GQA group fits in one tile.
+        NOTE: a query longer than a split-sized one (prefill chunks, mixed steps) always gets
+        the largest tile, so the compiled variants are those of the graphs' short queries plus
+        one for all long ones, whatever lengths requests bring."""
+        want = triton.next_power_of_2(max_query_len * group)
+        if max_query_len > SPLIT_MAX_QUERY_LEN:
+            want = self.max_block_m
+        return max(16, triton.next_power_of_2(group), min(want, self.max_block_m))
+
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
         num_tokens, num_kv_heads, head_dim = k.shape
@@ -266,9 +279,7 @@ class TritonAttentionBackend:
         assert q.stride(2) == 1 and num_heads % num_kv_heads == 0
 
         group = num_heads // num_kv_heads
-        # tl.dot needs M >= 16; a whole GQA group must fit in one tile.
-        block_m = max(16, triton.next_power_of_2(group),
-                      min(triton.next_power_of_2(max_q * group), self.max_block_m))
+        block_m = self.block_m(max_q, group)
         block_q = block_m // group
         num_q_tiles = triton.cdiv(max_q, block_q)
         num_programs = num_seqs * num_q_tiles * num_kv_heads
