@@ -19,6 +19,7 @@ from blockspec.engine.memory import (
     decide_num_blocks,
     graph_output_bytes,
     kv_bytes_per_block,
+    prefill_graph_bytes,
     profile_activation_bytes,
 )
 from blockspec.engine.model_runner import ModelRunner
@@ -91,7 +92,8 @@ class LLMEngine:
                 if adaptive and config.use_lazy_draft_context:
                     lens.append(1)  # the detached plain step's own graphs
                 activation += graph_output_bytes(lens, graph_buckets(config.max_num_seqs),
-                                                 mc.vocab_size, self.dtype)
+                                                 mc.vocab_size, self.dtype) \
+                    + prefill_graph_bytes(config, mc.hidden_size, self.dtype)
         num_blocks = decide_num_blocks(config, per_block, activation)
         self.block_manager = BlockManager(num_blocks, config.kv_block_size,
                                           config.enable_prefix_caching)

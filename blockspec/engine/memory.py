@@ -9,6 +9,7 @@ from blockspec.config import ConfigError, EngineConfig, ModelConfig
 from blockspec.dflash.config import DFlashConfig
 from blockspec.engine.context_staging import staging_rows
 from blockspec.engine.decode_step import graph_buckets
+from blockspec.engine.prefill_step import prefill_buckets
 from blockspec.layers.attention import AttentionMetadata, PagedAttention
 from blockspec.models.qwen3 import CausalLM
 
@@ -77,6 +78,14 @@ def graph_output_bytes(block_lens: list[int], buckets: list[int], vocab_size: in
     elem = dtype.itemsize
     sizes = [b * L * vocab_size * elem for L in block_lens for b in buckets]
     return sum(sizes) - max(sizes, default=0)
+
+
+def prefill_graph_bytes(config: EngineConfig, hidden_size: int, dtype: torch.dtype) -> int:
+    """The hidden states each prefill graph keeps alive (its intermediates fit in the memory
+    the largest decode graph's hold in the shared pool)."""
+    if config.split_prefill is False:
+        return 0
+    return sum(prefill_buckets(config.max_num_batched_tokens)) * hidden_size * dtype.itemsize
 
 
 def context_staging_bytes(config: EngineConfig, target: ModelConfig, drafter: DFlashConfig,

@@ -34,9 +34,16 @@ from blockspec.engine.decode_step import (
 from blockspec.engine.kv_cache import BlockManager
 from blockspec.engine.lazy_context import LazyDraftContext
 from blockspec.engine.mixed_step import MixedStep
+from blockspec.engine.prefill_exec import PrefillExecutor
+from blockspec.engine.prefill_step import (
+    PREFILL_GRAPH_SEQS,
+    PrefillBuffers,
+    PrefillStep,
+    prefill_buckets,
+)
 from blockspec.engine.sequence import Sequence
 from blockspec.engine.speculation import SpecController
-from blockspec.engine.step_result import StepResult, StepTimings
+from blockspec.engine.step_result import StepResult, StepTimings, merge_results
 from blockspec.layers.attention import PagedAttention
 from blockspec.models.qwen3 import CausalLM
 from blockspec.policy.cost_model import StepCostModel
@@ -89,8 +96,10 @@ class ModelRunner:
         self.decoder = DecodeExecutor(self.bufs, self.trash_block, block_manager.block_size,
                                       model_cfg.vocab_size, self.staging, self.default_generator,
                                       self.synced, proposer is not None)
+        graphed = self.device.type == "cuda" and not config.enforce_eager
+        self.prefill = self._init_prefill(graphed, max_blocks)
         self.graphs_by_len: dict[int, GraphedDecodeStep] = {}
-        if self.device.type == "cuda" and not config.enforce_eager:
+        if graphed:
             self._capture_graphs(adaptive)
         self.graphs = self.graphs_by_len.get(self.max_block)  # compat: the max block's graphs
         self.timings = StepTimings()  # the runner's parts; the engine adds its own and steps
@@ -131,6 +140,18 @@ class ModelRunner:
                                          self.trash_block, cfg.max_num_batched_tokens,
                                          self.max_model_len, cfg.max_num_seqs, self.device)
 
+    def _init_prefill(self, graphed: bool, max_blocks: int) -> PrefillExecutor | None:
+        """The split mixed step's prefill forward (EngineConfig.split_prefill)."""
+        split = self.config.split_prefill
+        buckets = prefill_buckets(self.config.max_num_batched_tokens)
+        if not (graphed if split is None else split) or not buckets:
+            return None
+        bufs = PrefillBuffers.allocate(buckets[-1], PREFILL_GRAPH_SEQS + 1, max_blocks,
+                                       self.device)
+        step = PrefillStep(self.model, self.proposer, self.max_model_len)
+        return PrefillExecutor(step, bufs, buckets, self.bm, self.trash_block,
+                               self.model_cfg.vocab_size, self.synced)
+
     def _capture_graphs(self, adaptive: bool) -> None:
         """Graphs for every block length the policy can choose (fixed: the max block only)."""
         lens = graphed_block_lens(adaptive, self.spec_lens, self.max_block)
@@ -140,9 +161,11 @@ class ModelRunner:
             graphed = GraphedDecodeStep(self.steps[L], self.bufs, self.buckets)
             graphed.capture(pool, stream)
             self.graphs_by_len[L] = graphed
-        if self.lazy is not None and adaptive:  # the detached plain step, captured last
+        if self.lazy is not None and adaptive:  # the detached plain step
             self.lazy.graphs = GraphedDecodeStep(self.lazy.step, self.bufs, self.buckets)
             self.lazy.graphs.capture(pool, stream)
+        if self.prefill is not None:
+            self.prefill.capture(pool, stream)
 
     def _init_controller(self, adaptive: bool) -> SpecController:
         cost_model = None
@@ -221,14 +244,24 @@ class ModelRunner:
         drafting = blens is not None and max(blens) >= 2
         if drafting:
             self.flush_context()  # NOTE: the drafter runs: its context must be whole
-        plain_decode = n_dec == len(seqs) and (blens is None or all(b == L for b in blens))
+        whole_blocks = blens is None or all(b == L for b, d in zip(blens, decoding) if d)
+        plain_decode = n_dec == len(seqs) and whole_blocks
+        split = not plain_decode and whole_blocks and self.prefill is not None \
+            and self.prefill.fits([n for n, d in zip(num_new_tokens, decoding) if not d])
         self._before(seqs, blens if drafting else None, L, n_dec, plain_decode)
-        res = self._execute_decode(seqs, L) if plain_decode \
-            else self._execute_mixed(seqs, num_new_tokens, decoding, blens)
-        if self.lazy is not None and not self.lazy.detached and not (plain_decode and L == 1):
-            # NOTE: an attached plain step staged its rows (a drafter exists, so steps[1] defers
-            # its context): they count when flushed.
-            self.lazy.count_written(seqs, res.advance)
+        if plain_decode:
+            res = self._execute_decode(seqs, L)
+        elif split:
+            res = self._execute_split(seqs, num_new_tokens, decoding, L)
+        else:
+            res = self._execute_mixed(seqs, num_new_tokens, decoding, blens)
+        if self.lazy is not None and not self.lazy.detached:
+            # NOTE: an attached plain decode stages its rows (a drafter exists, so steps[1]
+            # defers its context): they count when flushed.
+            staged = L == 1 and (plain_decode or split)
+            written = [(s, a) for s, a, d in zip(seqs, res.advance, decoding)
+                       if not (staged and d)]
+            self.lazy.count_written([s for s, _ in written], [a for _, a in written])
         res.block_len = L if n_dec else 0
         if self.controller is not None and n_dec:
             self.controller.observe(L, res.drafted, res.accepted)
@@ -243,6 +276,18 @@ class ModelRunner:
         # drafter next runs for these sequences.
         write = self.proposer is not None and not (self.lazy is not None and self.lazy.detached)
         return self.mixed(seqs, num_new_tokens, blens, write, self.synthetic)
+
+    def _execute_split(self, seqs: list[Sequence], num_new_tokens: list[int],
+                       decoding: list[bool], L: int) -> StepResult:
+        """A mixed step as two replays: the prefill chunks' forward, then the decoding
+        sequences' decode step at L (the tokens of both read at the decode step's sync)."""
+        pre = [i for i, d in enumerate(decoding) if not d]
+        write = self.proposer is not None and not (self.lazy is not None and self.lazy.detached)
+        finish = self.prefill.launch([seqs[i] for i in pre], [num_new_tokens[i] for i in pre],
+                                     write)
+        dec = [s for s, d in zip(seqs, decoding) if d]
+        decoded = self._execute_decode(dec, L) if dec else None
+        return merge_results(seqs, decoding, decoded, finish())
 
     def _choose(self, seqs: list[Sequence], decoding: list[bool], n_dec: int,
                 ctx: StepContext) -> int:
