@@ -1,0 +1,94 @@
+"""Closed-loop sweep (issue 20's judged run): `blockspec bench offline` per config, each in its
+own process as a user runs it, then DFlash over AR per concurrency.
+
+- demo pair, benchmarks/prompts/code.jsonl, C = 1, 4, 16, 64: default engine vs `--draft none`;
+- Qwen3-8B-shaped target and 5-layer drafter, random bf16 weights (`--load-format dummy`),
+  random prompts of 512 tokens: AR vs the default (adaptive) engine with the LABELLED synthetic
+  acceptance a = 0.86 and a = 0.6 (a benchmark-only mode: each draft position accepted with
+  probability a; the text is not the target's).
+Every run: output 256 (`--ignore-eos`), no prefix caching, a new request entering as soon as one
+finishes.
+
+    python benchmarks/closed_loop_sweep.py --out-dir DIR [--big-concurrency 1,8,32,64,128,256]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from blockspec.bench.common import git_commit, recorded_command
+from blockspec.bench.fullsize import INPUT_LEN, OUTPUT_LEN, write_folders
+
+COMMON = ["--output-len", str(OUTPUT_LEN), "--ignore-eos", "--no-prefix-caching"]
+
+
+def bench(out: Path, name: str, args: list[str]) -> dict:
+    """One `blockspec bench offline` run; returns its result JSON."""
+    path = out / f"{name}.json"
+    cmd = [sys.executable, "-m", "blockspec.cli", "bench", "offline", *args, *COMMON,
+           "--label", name, "--out", str(path)]
+    print("$", " ".join(cmd[1:]), flush=True)
+    subprocess.run(cmd, check=True)
+    return json.loads(path.read_text())
+
+
+def by_c(res: dict) -> dict[int, dict]:
+    return {lv["concurrency"]: lv for lv in res["levels"]}
+
+
+def compare(ar: dict, spec: dict) -> dict:
+    """Per concurrency: tok/s of both, their ratio, and the latency tails."""
+    a, s = by_c(ar), by_c(spec)
+    rows = {}
+    for c in sorted(a):
+        rows[c] = {"ar_tok_s": a[c]["output_tok_s"], "dflash_tok_s": s[c]["output_tok_s"],
+                   "ratio": s[c]["output_tok_s"] / a[c]["output_tok_s"],
+                   "tau": (s[c].get("acceptance") or {}).get("mean_acceptance_length"),
+                   "itl_p99_ms": {"ar": a[c]["itl_ms"]["p99"], "dflash": s[c]["itl_ms"]["p99"]},
+                   "ttft_p99_ms": {"ar": a[c]["ttft_ms"]["p99"],
+                                   "dflash": s[c]["ttft_ms"]["p99"]}}
+    return {"by_concurrency": rows, "min_ratio": min(r["ratio"] for r in rows.values())}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out-dir", required=True)
+    ap.add_argument("--demo-concurrency", default="1,4,16,64")
+    ap.add_argument("--big-concurrency", default="1,8,32,64,128,256")
+    ap.add_argument("--skip-big", action="store_true", help="the demo pair only")
+    args = ap.parse_args()
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    demo = ["--dataset", "benchmarks/prompts/code.jsonl", "--concurrency", args.demo_concurrency]
+    res: dict = {"benchmark": "closed_loop_sweep", "command": recorded_command(
+        "benchmarks/closed_loop_sweep.py"), "commit": git_commit()}
+    res["demo"] = compare(bench(out, "demo_ar", [*demo, "--draft", "none"]),
+                          bench(out, "demo_default", demo))
+    if not args.skip_big:
+        with tempfile.TemporaryDirectory() as d:
+            target, drafter = write_folders(Path(d))
+            big = ["--model", str(target), "--load-format", "dummy", "--dataset", "random",
+                   "--input-len", str(INPUT_LEN), "--concurrency", args.big_concurrency]
+            ar = bench(out, "qwen3_8b_ar", big)
+            for a in (0.86, 0.6):
+                spec = bench(out, f"qwen3_8b_adaptive_a{a}",
+                             [*big, "--draft", str(drafter), "--synthetic-acceptance", str(a)])
+                res[f"qwen3_8b_a{a}"] = compare(ar, spec)
+    res["environment"] = json.loads((out / "demo_ar.json").read_text())["environment"]
+    (out / "closed_loop_sweep.json").write_text(json.dumps(res, indent=1) + "\n")
+    for key in [k for k in res if k.startswith(("demo", "qwen3"))]:
+        print(f"{key}: min DFlash/AR {res[key]['min_ratio']:.2f}x")
+        for c, r in res[key]["by_concurrency"].items():
+            print(f"  C={c:<4d} AR {r['ar_tok_s']:9.0f}  DFlash {r['dflash_tok_s']:9.0f} tok/s  "
+                  f"{r['ratio']:.2f}x  tau {r['tau']}  ITL p99 {r['itl_p99_ms']}  "
+                  f"TTFT p99 {r['ttft_p99_ms']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
