@@ -33,6 +33,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=256, help="max running sequences")
     g.add_argument("--max-num-batched-tokens", type=int, default=8192,
                    help="token budget per step (prefills are chunked to fit)")
+    g.add_argument("--decode-step-prefill-tokens", type=int, default=None,
+                   help="prefill tokens of a step that also decodes, which delay every running "
+                        "stream (default: 12 per decoding sequence, at least 256; 0: no cap)")
     g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
@@ -87,6 +90,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         kv_cache_memory_gb=args.kv_cache_memory, num_kv_blocks=args.num_kv_blocks,
         kv_block_size=args.kv_block_size, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
+        decode_step_prefill_tokens=args.decode_step_prefill_tokens,
         enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
         draft=args.draft, block_size=args.block_size,
         speculation_policy=args.speculation_policy, block_sizes=args.block_sizes,

@@ -188,6 +188,9 @@ class EngineConfig:
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
+    # Prefill tokens of a step that also decodes (they delay every running stream). None: 12
+    # per decoding sequence, at least 256; 0: only max_num_batched_tokens bounds them.
+    decode_step_prefill_tokens: int | None = None
     kv_block_size: int = 16
     kv_cache_memory_gb: float | None = None  # None: 1 GiB on CPU; on CUDA what is left of
     # gpu_memory_utilization x total after weights and a profiled warm-up forward
@@ -256,6 +259,8 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive")
+        if self.decode_step_prefill_tokens is not None and self.decode_step_prefill_tokens < 0:
+            raise ConfigError("decode_step_prefill_tokens must be >= 0 (0: no cap)")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ConfigError("max_model_len must be positive")
         if self.kv_block_size <= 0 or self.kv_block_size & (self.kv_block_size - 1):

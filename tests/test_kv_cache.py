@@ -377,3 +377,63 @@ def test_finish_waiting_sequence():
     sched.finish(a, "abort")
     assert not sched.has_unfinished and a.finish_reason == "abort"
     assert bm.num_free_blocks == 6
+
+
+def test_decode_prefill_budget_rule():
+    from blockspec.engine.scheduler import decode_prefill_budget
+
+    assert decode_prefill_budget(None, 0, 8192) == 8192  # nothing decodes: the whole step
+    assert decode_prefill_budget(None, 1, 8192) == 256
+    assert decode_prefill_budget(None, 32, 8192) == 384
+    assert decode_prefill_budget(None, 256, 8192) == 3072
+    assert decode_prefill_budget(None, 256, 2048) == 2048
+    assert decode_prefill_budget(0, 32, 8192) == 8192
+    assert decode_prefill_budget(100, 32, 8192) == 100
+
+
+def test_prefill_beside_decodes_is_capped_and_decodes_still_run():
+    """With sequences decoding, prefill chunks (a running partial prefill and new admissions)
+    share the decode-step prefill budget; a partial prefill that gets none waits while the
+    decodes after it in the running list still run."""
+    bm = BlockManager(256, BS, enable_prefix_caching=False)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=100,
+                      decode_step_prefill_tokens=6)
+    a = make_seq(range(1, 4), "a")
+    sched.add(a)
+    step(sched)  # a's whole prompt: nothing decodes yet, the whole budget
+    sched.add(make_seq(range(1, 21), "b"))
+    out = sched.schedule()
+    assert [s.request_id for s in out.seqs] == ["a", "b"] and out.num_new_tokens == [1, 6]
+    b = out.seqs[1]
+    b.num_computed_tokens += 6
+    a.num_computed_tokens += 1
+    a.output_token_ids.append(7)
+    sched.running.reverse()  # b (prefilling) ahead of a (decoding)
+    sched.decode_step_prefill_tokens = 6
+    out = sched.schedule()
+    assert [s.request_id for s in out.seqs] == ["b", "a"] and out.num_new_tokens == [6, 1]
+    sched.add(make_seq(range(1, 9), "c"))
+    b.num_computed_tokens += 6
+    a.num_computed_tokens += 1
+    a.output_token_ids.append(7)
+    out = sched.schedule()  # b takes the prefill budget, c waits, a decodes
+    assert [s.request_id for s in out.seqs] == ["b", "a"] and out.num_new_tokens == [6, 1]
+    assert [s.request_id for s in sched.waiting] == ["c"]
+
+
+def test_partial_prefill_without_budget_waits_and_later_decodes_run():
+    bm = BlockManager(256, BS, enable_prefix_caching=False)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=100,
+                      decode_step_prefill_tokens=5)
+    a, b, c = make_seq(range(1, 4), "a"), make_seq(range(1, 21), "b"), make_seq(range(1, 21), "c")
+    for seq, done in ((b, 4), (c, 4), (a, 3)):
+        sched.add(seq)
+        bm.allocate(seq, seq.num_tokens)
+        seq.num_computed_tokens = done
+    sched.waiting.clear()
+    sched.running[:] = [b, c, a]
+    a.output_token_ids.append(7)  # a decodes
+    for seq in (a, b, c):
+        seq.status = SequenceStatus.RUNNING
+    out = sched.schedule()
+    assert [s.request_id for s in out.seqs] == ["b", "a"] and out.num_new_tokens == [5, 1]

@@ -49,7 +49,8 @@ def count_paths(monkeypatch) -> dict[str, int]:
 
 
 def test_buckets():
-    assert prefill_buckets(8192) == [32, 64, 128, 256, 512, 1024, 2048]
+    assert prefill_buckets(8192) == [32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048]
+    assert prefill_buckets(600) == [32, 64, 128, 256, 384, 512, 600]
     assert prefill_buckets(100) == [32, 64, 100]
     assert prefill_buckets(16) == []
 

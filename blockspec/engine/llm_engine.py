@@ -98,7 +98,8 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, config.kv_block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
-                                   config.max_num_batched_tokens, self.lookahead_slots())
+                                   config.max_num_batched_tokens, self.lookahead_slots(),
+                                   config.decode_step_prefill_tokens)
         proposer = None
         if drafter is not None:
             # NOTE: +1: the trash block that padded lanes of a graphed step write to.

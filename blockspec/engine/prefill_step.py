@@ -34,12 +34,14 @@ MIN_PREFILL_BUCKET, MAX_PREFILL_BUCKET = 32, 2048
 
 
 def prefill_buckets(max_num_batched_tokens: int) -> list[int]:
-    """Token counts that get a prefill graph: powers of two up to the step's token budget."""
+    """Token counts that get a prefill graph: powers of two, and from 256 up also 1.5 x each
+    (a replay computes its whole bucket), up to the step's token budget."""
     cap = min(max_num_batched_tokens, MAX_PREFILL_BUCKET)
     out, t = [], MIN_PREFILL_BUCKET
     while t < cap:
-        out.append(t)
+        out += [t] if t < 256 else [t, t * 3 // 2]
         t *= 2
+    out = [b for b in out if b < cap]
     return [*out, cap] if cap >= MIN_PREFILL_BUCKET else []
 
 

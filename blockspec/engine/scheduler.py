@@ -32,9 +32,29 @@ class SchedulerOutput:
         return bool(self.seqs)
 
 
+# The default prefill budget of a step with decoding sequences: PER_DECODE tokens per decoding
+# sequence, at least FLOOR. NOTE: enough to keep a closed loop of 512-token prompts for
+# 256-token outputs fed at tau up to ~6 from C = 16 up, while one step's prefill adds about one
+# decode step to the streams it delays (ITL; docs/benchmarks.md, "Closed loop").
+DECODE_PREFILL_FLOOR, DECODE_PREFILL_PER_DECODE = 256, 12
+
+
+def decode_prefill_budget(setting: int | None, num_decoding: int, step_budget: int) -> int:
+    """Prefill tokens a step may take beside `num_decoding` decoding sequences. `setting`:
+    EngineConfig.decode_step_prefill_tokens (None: the default rule, 0: no cap)."""
+    if not num_decoding or setting == 0:
+        return step_budget
+    if setting is None:
+        setting = max(DECODE_PREFILL_FLOOR, DECODE_PREFILL_PER_DECODE * num_decoding)
+    return min(setting, step_budget)
+
+
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
-                 max_num_batched_tokens: int, num_lookahead_slots: int = 0) -> None:
+                 max_num_batched_tokens: int, num_lookahead_slots: int = 0,
+                 decode_step_prefill_tokens: int | None = 0) -> None:
+        """`decode_step_prefill_tokens`: see decode_prefill_budget (default 0: no cap)."""
+        self.decode_step_prefill_tokens = decode_step_prefill_tokens
         self.block_manager = block_manager
         self.num_lookahead_slots = num_lookahead_slots
         self.max_num_seqs = max_num_seqs
@@ -65,6 +85,11 @@ class Scheduler:
             budget_lookahead = self.num_lookahead_slots
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        # NOTE: a pass over the running sequences: prefill chunks beside decodes delay every
+        # stream by their length, so their share of the step is capped (see DECODE_PREFILL_*).
+        prefill = decode_prefill_budget(
+            self.decode_step_prefill_tokens,
+            sum(1 for s in self.running if s.num_tokens - s.num_computed_tokens == 1), budget)
         bm, block_size = self.block_manager, self.block_manager.block_size
         decode_slots = 1 + self.num_lookahead_slots
         decode_cost = 1 + min(self.num_lookahead_slots, budget_lookahead)
@@ -77,8 +102,11 @@ class Scheduler:
                 - seq.num_computed_tokens
             if remaining == 1:
                 n, slots, cost = 1, decode_slots, decode_cost
+            elif prefill <= 0:  # NOTE: its next chunk waits; the decodes after it still run
+                i += 1
+                continue
             else:
-                n = min(remaining, budget)
+                n = min(remaining, budget, prefill)
                 slots = cost = n
             if cost > budget:
                 break
@@ -98,10 +126,11 @@ class Scheduler:
             out.seqs.append(seq)
             out.num_new_tokens.append(n)
             budget -= cost
+            prefill -= n if remaining != 1 else 0
             i += 1
 
         # NOTE: admit nothing new in a step that had to preempt: the cache is under pressure.
-        while self.waiting and budget > 0 and not out.num_preempted:
+        while self.waiting and min(budget, prefill) > 0 and not out.num_preempted:
             if len(self.running) >= self.max_num_seqs:
                 break
             seq = self.waiting[0]
@@ -111,7 +140,7 @@ class Scheduler:
                 if seq.metrics.first_scheduled_time is None:
                     seq.metrics.num_cached_tokens = cached
             remaining = seq.num_tokens - seq.num_computed_tokens
-            n = min(remaining, budget)
+            n = min(remaining, budget, prefill)
             slots = n + self.lookahead(remaining)
             if slots > budget or not self.block_manager.can_allocate(seq, slots):
                 if fresh:
@@ -126,6 +155,7 @@ class Scheduler:
             out.seqs.append(seq)
             out.num_new_tokens.append(n)
             budget -= slots
+            prefill -= n
         return out
 
     def _preempt(self, seq: Sequence) -> None:
