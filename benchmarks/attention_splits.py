@@ -22,13 +22,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from fast_path import git_commit  # noqa: E402
-from linear_sweep import graph_ms  # noqa: E402
-
-from blockspec.bench.common import recorded_command
-from blockspec.layers.attention import AttentionMetadata  # noqa: E402
-from blockspec.layers.triton_attention import (  # noqa: E402
+from blockspec.bench.common import git_commit, recorded_command
+from blockspec.bench.gpu_timing import graph_ms
+from blockspec.layers.attention import AttentionMetadata
+from blockspec.layers.triton_attention import (
     TritonAttentionBackend,
     _num_sms,
     choose_num_splits,

@@ -18,13 +18,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from fast_path import git_commit, merge_latest, pool_runs, timed_generate  # noqa: E402
-
-from blockspec import LLM  # noqa: E402
-from blockspec.bench.common import recorded_command
-from blockspec.demo import demo_drafter, demo_target  # noqa: E402
-from blockspec.train.cli import load_prompts  # noqa: E402
+from blockspec import LLM
+from blockspec.bench.common import git_commit, recorded_command
+from blockspec.bench.headline import merge_latest
+from blockspec.bench.timed_runs import pool_runs, timed_generate
+from blockspec.demo import demo_drafter, demo_target
+from blockspec.train.cli import load_prompts
 
 ROOT = Path(__file__).resolve().parents[1]
 OUTPUT_LEN = 256

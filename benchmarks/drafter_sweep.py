@@ -27,17 +27,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from build_demo_pair import (  # noqa: E402
-    CODE_PROMPTS,
-    PROFILES,
-    ROOT,
-    override_flags,
-    ship_folder,
-)
-from fast_path import git_commit  # noqa: E402
+from blockspec.bench.common import git_commit
+from blockspec.bench.demo_recipe import CODE_PROMPTS, PROFILES, ROOT, override_flags, ship_folder
 
-# Overrides of the demo recipe's drafter arguments (build_demo_pair.PROFILES["full"]).
+# Overrides of the demo recipe's drafter arguments (demo_recipe.PROFILES["full"]).
 VARIANTS: dict[str, list[str]] = {
     "base": [],
     "init": ["--init-from-target"],

@@ -21,201 +21,28 @@ import argparse
 import datetime
 import gc
 import json
-import subprocess
 import sys
 import tempfile
 import time
-from collections import Counter
 from pathlib import Path
 
 import torch
 
 from blockspec import LLM, SamplingParams
-from blockspec.bench.common import recorded_command
-from blockspec.bench.offline import run_requests
-from blockspec.config import ModelConfig
-from blockspec.dflash.checkpoint import new_drafter_config
-from blockspec.tiny import build_tokenizer
-
-QWEN3_8B = dict(
-    architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936, hidden_size=4096,
-    intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
-    head_dim=128, rms_norm_eps=1e-6, max_position_embeddings=40960, rope_theta=1000000.0,
-    tie_word_embeddings=False, dtype="bfloat16", eos_token_id=151645,
+from blockspec.bench.common import git_commit, recorded_command
+from blockspec.bench.fullsize import (
+    INPUT_LEN,
+    OUTPUT_LEN,
+    make_llm,
+    prompts,
+    run_generate,
+    write_folders,
 )
-MASK_TOKEN = 151669
-INPUT_LEN, OUTPUT_LEN = 512, 256
-
-
-def git_commit() -> str:
-    """HEAD, marked when the working tree differs from it (then HEAD alone does not say what ran;
-    the device tool's copy of the tree may also carry a stale .git). A snapshot made with
-    `git archive` has no .git: write `git rev-parse HEAD` to its SNAPSHOT_COMMIT file."""
-    snap = Path(__file__).resolve().parents[1] / "SNAPSHOT_COMMIT"
-    if snap.is_file():
-        return snap.read_text().strip() + " (git archive snapshot)"
-    try:
-        run = dict(text=True, stderr=subprocess.DEVNULL)
-        head = subprocess.check_output(["git", "rev-parse", "HEAD"], **run).strip()
-        dirty = subprocess.check_output(["git", "status", "--porcelain", "-uno"], **run).strip()
-    except Exception:
-        return "unknown"
-    return head + (" + uncommitted changes" if dirty else "")
-
-
-def write_folders(root: Path) -> tuple[Path, Path]:
-    target, drafter = root / "qwen3-8b-shape", root / "dflash-b16-shape"
-    for d in (target, drafter):
-        d.mkdir(parents=True, exist_ok=True)
-        build_tokenizer(d)  # only for the engine's tokenizer slot: prompts are token ids
-    (target / "config.json").write_text(json.dumps(QWEN3_8B))
-    cfg = new_drafter_config(ModelConfig.from_dict(QWEN3_8B, "qwen3"), num_layers=5,
-                             block_size=16, mask_token_id=MASK_TOKEN)
-    (drafter / "config.json").write_text(json.dumps(cfg.to_dict()))
-    return target, drafter
-
-
-def make_llm(target: Path, drafter: Path | None, **kw) -> LLM:
-    # NOTE: no prefix caching: every timed request must pay its full 512-token prefill.
-    args = dict(device="cuda", dtype="bfloat16", load_format="dummy", max_model_len=1024,
-                kv_cache_memory_gb=36, max_num_seqs=256, enable_prefix_caching=False)
-    args.update(kw)
-    if drafter is not None:
-        # NOTE: the issue's "DFlash block 16" figures: a fixed block, not the adaptive policy.
-        args.update(draft=str(drafter), block_size=16, speculation_policy="fixed")
-    return LLM(str(target), **args)
-
-
-def free() -> None:
-    """Call after dropping the last reference to an engine."""
-    gc.collect()
-    torch.cuda.empty_cache()
-
-
-def prompts(n: int, seed: int = 0) -> list[list[int]]:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 151000, (n, INPUT_LEN), generator=g).tolist()
-
-
-def copy_bandwidth() -> float:
-    x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    for _ in range(3):
-        y.copy_(x)
-    times = []
-    for _ in range(20):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        y.copy_(x)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    times.sort()
-    del x, y
-    free()
-    return 2 * (2 << 30) / times[len(times) // 2]
-
-
-def floor_bytes(llm: LLM, context: int) -> int:
-    model = llm.engine.model
-    weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
-                  if "embed_tokens" not in n)
-    mc = llm.engine.model_config
-    kv = 2 * mc.num_hidden_layers * context * mc.num_key_value_heads * mc.head_dim * 2
-    return weights + kv
-
-
-def replay_ms(llm: LLM, n: int, context: int, iters: int = 50) -> float:
-    """Median time of one graph replay of the decode step for `n` sequences at `context`."""
-    runner = llm.engine.runner
-    bufs = runner.bufs
-    bufs.block_tables.fill_(runner.trash_block)
-    bufs.ctx_lens[:n].fill_(context)
-    times = []
-    for i in range(iters + 5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        runner.graphs.replay(n)
-        b.record()
-        b.synchronize()
-        if i >= 5:
-            times.append(a.elapsed_time(b))
-    times.sort()
-    return times[len(times) // 2]
-
-
-def timed_generate(llm: LLM, prompts: list, out_len: int) -> tuple[dict, list]:
-    """Greedy, `out_len` tokens per prompt (ignore_eos): the throughput record every benchmark
-    here reports (output tok/s over the whole run, prefill included), and the outputs."""
-    params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    before = llm.engine.timings.copy()
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    dt = time.perf_counter() - t0
-    timings = llm.engine.timings.copy()
-    timings.add(before, sign=-1)
-    tokens = sum(len(o.token_ids) for o in outs)
-    taus = [o.metrics.spec.mean_acceptance_length for o in outs
-            if o.metrics.spec and o.metrics.spec.num_steps]
-    return ({"output_tok_s": tokens / dt, "elapsed_s": dt, "output_tokens": tokens,
-             "mean_tpot_ms": 1e3 * sum(o.metrics.tpot for o in outs) / len(outs),
-             "mean_ttft_ms": 1e3 * sum(o.metrics.ttft for o in outs) / len(outs),
-             "tau": sum(taus) / len(taus) if taus else None,
-             # NOTE: where the run's engine steps spent wall time (host vs device wait)
-             "engine_steps": timings.steps, "step_ms": timings.per_step_ms(),
-             **decode_phase(outs)}, outs)
-
-
-def decode_phase(outs: list) -> dict:
-    """The run's decode phase: from the last request's first token (every request has then
-    prefilled) to the last token. The prefill, the same work for every config, dilutes output
-    tok/s over the whole run; this is what speculation changes. Its tokens are estimated per
-    request as the share of its decode time after that moment (requests that prefilled first
-    decoded a few steps during the prefill phase)."""
-    m = [o.metrics for o in outs]
-    start = max(x.first_token_time for x in m)
-    decode_s = max(x.finished_time for x in m) - start
-    tokens = sum((x.num_generated_tokens - 1) * (x.finished_time - start)
-                 / (x.finished_time - x.first_token_time)
-                 for x in m if x.finished_time > x.first_token_time)
-    return {"decode_phase_s": decode_s, "decode_tok_s": tokens / decode_s if decode_s > 0
-            else None}
-
-
-def pool_runs(runs: list[dict]) -> dict:
-    """Several timed runs of one cell as one record: throughput over all of them together
-    (total output tokens / total time), tau and latencies averaged, steps by block length
-    summed; the runs kept under "runs". One run is returned as it is."""
-    if len(runs) == 1:
-        return runs[0]
-    out = {"output_tokens": sum(r["output_tokens"] for r in runs),
-           "elapsed_s": sum(r["elapsed_s"] for r in runs), "repeats": len(runs)}
-    out["output_tok_s"] = out["output_tokens"] / out["elapsed_s"]
-    for k in ("mean_tpot_ms", "mean_ttft_ms", "tau", "tokens_per_decode_step"):
-        if k in runs[0]:
-            vals = [r[k] for r in runs if r.get(k) is not None]
-            out[k] = sum(vals) / len(vals) if vals else None
-    if all(r.get("decode_tok_s") is not None for r in runs):  # see decode_phase
-        out["decode_phase_s"] = sum(r["decode_phase_s"] for r in runs)
-        out["decode_tok_s"] = sum(r["decode_tok_s"] * r["decode_phase_s"] for r in runs) \
-            / out["decode_phase_s"]
-    if "step_ms" in runs[0]:
-        out["engine_steps"] = sum(r["engine_steps"] for r in runs)
-        out["step_ms"] = {k: sum(r["step_ms"].get(k, 0.0) * r["engine_steps"] for r in runs)
-                          / max(1, out["engine_steps"]) for k in runs[0]["step_ms"]}
-    if "block_len_steps" in runs[0]:
-        steps: Counter = Counter()
-        for r in runs:
-            steps.update(r["block_len_steps"])
-        out["block_len_steps"] = dict(sorted(steps.items(), key=lambda kv: int(kv[0])))
-    out["runs"] = runs
-    return out
-
-
-def run_generate(llm: LLM, c: int, out_len: int, seed: int = 0) -> dict:
-    return timed_generate(llm, prompts(c, seed), out_len)[0]
+from blockspec.bench.gpu_timing import copy_bandwidth, floor_bytes, replay_ms
+from blockspec.bench.headline import merge_latest
+from blockspec.bench.offline import run_requests
+from blockspec.bench.timed_runs import pool_runs
+from blockspec.config import ModelConfig
 
 
 def timed_closed_loop(llm: LLM, prompt_ids: list, out_len: int, c: int) -> dict:
@@ -399,19 +226,6 @@ def main() -> int:
     save()
     write_latest(res, out / "latest.json")
     return 0
-
-
-def merge_latest(res: dict, figures: dict, path: Path) -> None:
-    """Headline figures (DESIGN.md) merged into the committed latest.json and written to `path`;
-    measured ones only, each with its run recorded under "sources" (a figure from an older run
-    keeps its own source)."""
-    committed = Path(__file__).parent / "results" / "latest.json"
-    latest = json.loads(committed.read_text()) if committed.is_file() else {}
-    if figures:
-        latest.update(device=res["device"], date=res["date"], commit=res["commit"], **figures)
-        run = f"{res['command']} ({res['device']}, {res['date']})"
-        latest.setdefault("sources", {}).update({k: run for k in figures})
-    path.write_text(json.dumps(latest, indent=2) + "\n")
 
 
 def write_latest(res: dict, path: Path) -> None:

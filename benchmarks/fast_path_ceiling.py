@@ -1,12 +1,12 @@
 """How far can the fast path go? Matmul-only lower bounds for issue 4's two unmet bars, one GPU,
-one run (the Qwen3-8B-shape target and 5-layer drafter of benchmarks/fast_path.py).
+one run (the Qwen3-8B-shape target and 5-layer drafter of blockspec/bench/fullsize.py).
 
 A step cannot be faster than its matrix multiplies: this script captures exactly the GEMMs a
 step runs (the models' own weights, the same `x @ W.T` calls as their Linear layers, nothing
 else: no attention, norms, RoPE, argmax, host work) in one CUDA graph and times it.
   1. AR batch 1: the matmul-only step against the bytes floor (copy bandwidth measured here),
      with cuBLAS and with the Triton GEMV (layers/linear.py), next to the engine's graph
-     replay; and linear_sweep.py's per-projection cuBLAS vs GEMV configs.
+     replay; and blockspec.bench.linear_sweep's per-projection cuBLAS vs GEMV configs.
   2. C=32 (input 512, output 256): AR and DFlash (block 16, LABELLED synthetic acceptance a)
      engine runs, each step traced (sequences decoding, prefill tokens, wall time). DFlash's
      lower bound replaces every step by its matmuls alone: decode steps by the matmul-only
@@ -32,23 +32,11 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-sys.path.insert(0, str(Path(__file__).parent))
-from fast_path import (  # noqa: E402
-    INPUT_LEN,
-    OUTPUT_LEN,
-    copy_bandwidth,
-    floor_bytes,
-    free,
-    git_commit,
-    make_llm,
-    replay_ms,
-    run_generate,
-    write_folders,
-)
-from linear_sweep import graph_ms, sweep  # noqa: E402
-
-from blockspec.bench.common import recorded_command
-from blockspec.layers.linear import linear  # noqa: E402
+from blockspec.bench.common import git_commit, recorded_command
+from blockspec.bench.fullsize import INPUT_LEN, OUTPUT_LEN, make_llm, run_generate, write_folders
+from blockspec.bench.gpu_timing import copy_bandwidth, floor_bytes, free, graph_ms, replay_ms
+from blockspec.bench.linear_sweep import sweep
+from blockspec.layers.linear import linear
 
 C, BLOCK = 32, 16
 Call = tuple[torch.Tensor, int]  # (weight [N, K], rows M)
@@ -85,7 +73,7 @@ def dflash_step_calls(model: nn.Module, drafter: nn.Module, b: int) -> list[Call
 
 
 def gemm_ms(calls: list[Call], backend: str = "torch") -> float:
-    """`calls` back to back as one CUDA graph (linear_sweep.graph_ms): a replay's median ms.
+    """`calls` back to back as one CUDA graph (gpu_timing.graph_ms): a replay's median ms.
     Inputs are static random tensors per K; with backend "torch" the outputs are too (F.linear's
     cuBLAS call, `out=`), else `linear` with that backend."""
     dev, dt = calls[0][0].device, calls[0][0].dtype
@@ -104,7 +92,7 @@ def gemm_ms(calls: list[Call], backend: str = "torch") -> float:
 
 
 def traced_run(llm, c: int, seed: int) -> tuple[dict, list[dict]]:
-    """One timed run (fast_path's run_generate) with a record per engine step."""
+    """One timed run (fullsize.run_generate) with a record per engine step."""
     eng, runner = llm.engine, llm.engine.runner
     trace: list[dict] = []
     execute, step = runner.execute, eng.step

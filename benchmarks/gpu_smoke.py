@@ -16,7 +16,6 @@ import argparse
 import datetime
 import json
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -25,22 +24,9 @@ from pathlib import Path
 import torch
 
 from blockspec import LLM, SamplingParams
+from blockspec.bench.common import git_commit
+from blockspec.bench.fullsize import QWEN3_8B
 from blockspec.tiny import build_tiny_model
-
-QWEN3_8B = dict(
-    architectures=["Qwen3ForCausalLM"], model_type="qwen3", vocab_size=151936, hidden_size=4096,
-    intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
-    head_dim=128, rms_norm_eps=1e-6, max_position_embeddings=40960, rope_theta=1000000.0,
-    tie_word_embeddings=False, dtype="bfloat16", eos_token_id=151645,
-)
-
-
-def git_commit() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
-                                       stderr=subprocess.DEVNULL).strip()
-    except Exception:
-        return "unknown"
 
 
 def hf_greedy(path: Path, prompts: list[list[int]], n: int) -> list[list[int]]:

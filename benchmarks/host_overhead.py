@@ -21,18 +21,14 @@ import argparse
 import datetime
 import json
 import platform
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from fast_path import git_commit  # noqa: E402
-
 from blockspec import LLM, SamplingParams
-from blockspec.bench.common import recorded_command
+from blockspec.bench.common import git_commit, recorded_command
 from blockspec.dflash.checkpoint import build_random_drafter
 from blockspec.engine import decode_step
 from blockspec.policy.policy import StepCostModel

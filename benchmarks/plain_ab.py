@@ -33,20 +33,17 @@ import io
 import json
 import pstats
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from fast_path import git_commit, timed_generate  # noqa: E402
-from policy_sweep import WARMUP_TOKENS, Setup, lazy_counts  # noqa: E402
-
-from blockspec import LLM  # noqa: E402
-from blockspec.bench.common import recorded_command
-from blockspec.engine.cost_profile import _fill_buffers, replay_seconds  # noqa: E402
+from blockspec import LLM
+from blockspec.bench.common import git_commit, recorded_command
+from blockspec.bench.policy_runs import WARMUP_TOKENS, Setup, lazy_counts
+from blockspec.bench.timed_runs import timed_generate
+from blockspec.engine.cost_profile import _fill_buffers, replay_seconds
 
 PARTS = ("schedule", "runner_host", "device_wait", "postprocess")
 

@@ -2,7 +2,7 @@
 
 Runs the decode step eagerly under torch.profiler (kernel durations are those of the graphed
 step; only launch gaps differ) for: AR at batch 1, DFlash (block 16) at batch 1 and at batch 32,
-on the Qwen3-8B-shaped random-weight model of benchmarks/fast_path.py. Prints the top kernels by
+on the Qwen3-8B-shaped random-weight model of blockspec/bench/fullsize.py. Prints the top kernels by
 total GPU time and the per-step sums, and times the engine's host work per step.
 
 Usage: python benchmarks/profile_step.py --out FILE.json
@@ -20,8 +20,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-sys.path.insert(0, str(Path(__file__).parent))
-from fast_path import INPUT_LEN, make_llm, write_folders  # noqa: E402
+from blockspec.bench.fullsize import INPUT_LEN, make_llm, write_folders
 
 
 def profile_step(llm, n: int, ctx: int, iters: int = 10) -> dict:

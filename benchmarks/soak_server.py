@@ -36,7 +36,7 @@ if "TRITON_INTERPRET" not in os.environ:  # NOTE: before blockspec imports trito
 import httpx  # noqa: E402
 import torch  # noqa: E402
 
-from blockspec.bench.common import recorded_command
+from blockspec.bench.common import git_commit, recorded_command
 from blockspec.config import EngineConfig  # noqa: E402
 from blockspec.engine.llm_engine import LLMEngine  # noqa: E402
 from blockspec.server.api import build_app  # noqa: E402
@@ -147,14 +147,13 @@ def main() -> int:
                     "torch_threads": torch.get_num_threads()},
         "config": {k: v for k, v in vars(args).items() if k != "out"},
     }
+    report["commit"] = git_commit()
     try:
-        report["commit"] = subprocess.check_output(["git", "rev-parse", "HEAD"], text=True,
-                                                   stderr=subprocess.DEVNULL).strip()
         report["uncommitted_changes"] = bool(subprocess.check_output(
             ["git", "status", "--porcelain", "--", "blockspec", "benchmarks/soak_server.py"],
             text=True, stderr=subprocess.DEVNULL).strip())
-    except Exception:
-        report["commit"] = "unknown"
+    except Exception:  # noqa: BLE001 - not a checkout, no git: the field is just absent
+        pass
     with tempfile.TemporaryDirectory() as d:
         path = build_tiny_model(Path(d) / "tiny")
         engine = LLMEngine(EngineConfig(model=str(path), device="cpu",

@@ -518,7 +518,9 @@ def test_fast_path_decode_phase(qwen3_path, monkeypatch):
 
     monkeypatch.setattr(fast_path.torch.cuda, "synchronize", lambda: None)
     llm = LLM(str(qwen3_path), device="cpu", num_kv_blocks=256, max_num_batched_tokens=8)
-    r, outs = fast_path.timed_generate(llm, [[1, 2, 3, 4 + i] for i in range(4)], 6)
+    from blockspec.bench.timed_runs import timed_generate
+
+    r, outs = timed_generate(llm, [[1, 2, 3, 4 + i] for i in range(4)], 6)
     assert 0 < r["decode_phase_s"] <= r["elapsed_s"]
     # 4 requests prefill 2 at a time (8-token budget): the first two decode during the others'
     # prefill, so the decode phase holds fewer than the 5 tokens each makes after its first

@@ -220,7 +220,7 @@ def test_policy_report_run_spread(monkeypatch):
     """The report states how far a cell's identical runs (C > 1) lie apart: the noise that the
     adaptive/plain ratios sit in. C=1 runs differ by their synthetic draws and are left out."""
     monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
-    from policy_report import spread, summarize
+    from blockspec.bench.policy_report import spread, summarize
 
     def cell(*tok_s):
         runs = [{"output_tok_s": t} for t in tok_s]

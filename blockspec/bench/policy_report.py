@@ -1,8 +1,11 @@
-"""Tables, ratios and the plot of benchmarks/policy_sweep.py (kept apart from the runner)."""
+"""Tables, ratios and the plot of benchmarks/policy_sweep.py's results (kept apart from the
+runner: they rebuild from a saved policy_sweep.json). matplotlib is imported by `plot` only."""
 
 from __future__ import annotations
 
 from pathlib import Path
+
+__all__ = ["CONFIGS", "plot", "spread", "summarize"]
 
 # (name, policy mode, fixed block length) of every speculative configuration in the sweep.
 CONFIGS = (("fixed 4", "fixed", 4), ("fixed 8", "fixed", 8), ("fixed 16", "fixed", 16),
@@ -54,7 +57,7 @@ def summarize(res: dict) -> None:
         if all(runs[c]["adaptive"].get("decode_tok_s") and plain[c].get("decode_tok_s")
                for c in cs):
             # NOTE: the decode phase alone (after every request's first token), see
-            # fast_path.decode_phase
+            # blockspec.bench.timed_runs.decode_phase
             lines.append("| decode phase: adaptive / plain | " + " | ".join(
                 f"{runs[c]['adaptive']['decode_tok_s'] / plain[c]['decode_tok_s']:.3f}x"
                 for c in cs) + " |")
@@ -110,6 +113,7 @@ def summarize(res: dict) -> None:
 
 
 def plot(res: dict, path: Path) -> None:
+    """Output tok/s vs concurrency, one panel per synthetic acceptance, written to `path`."""
     import matplotlib
 
     matplotlib.use("Agg")

@@ -1,15 +1,18 @@
 """Batch-1 matmuls: cuBLAS (`x @ W.T`, M = 1) against blockspec/layers/linear.py's Triton GEMV
 over a grid of configs, per projection of the Qwen3-8B-shape target (and the DFlash drafter's fc
 and K/V projections). Each projection's weights are all read once per timing (every layer's), so
-L2 holds none of them. Used by fast_path_ceiling.py (on the engines' own weights).
+L2 holds none of them. Used by benchmarks/fast_path_ceiling.py (on the engines' own weights).
 """
 
 from __future__ import annotations
 
-import numpy as np
 import torch
+import torch.nn as nn
 
+from blockspec.bench.gpu_timing import graph_ms
 from blockspec.layers.linear import gemv, gemv_config
+
+__all__ = ["GEMV_CONFIGS", "projections", "sweep", "time_projection"]
 
 # (BLOCK_N, BLOCK_K, num_warps, num_stages)
 GEMV_CONFIGS = [(4, 1024, 4, 3), (8, 512, 4, 3), (8, 1024, 8, 3), (16, 512, 4, 4),
@@ -17,31 +20,10 @@ GEMV_CONFIGS = [(4, 1024, 4, 3), (8, 512, 4, 3), (8, 1024, 8, 3), (16, 512, 4, 4
                 (32, 512, 8, 3)]
 
 
-def graph_ms(fn, iters: int = 20) -> float:
-    """Median replay time of `fn` captured in one CUDA graph."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    for _ in range(3):
-        g.replay()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return float(np.median(times))
-
-
-def projections(model, drafter=None) -> dict[str, list[torch.Tensor]]:
+def projections(model: nn.Module, drafter: nn.Module | None = None
+                ) -> dict[str, list[torch.Tensor]]:
+    """Every projection's weights, each a list over the layers (lm_head alone; with `drafter`,
+    its fc and its layers' K/V slices of qkv_proj)."""
     layers = model.model.layers
     out = {"qkv_proj": [la.self_attn.qkv_proj.weight for la in layers],
            "o_proj": [la.self_attn.o_proj.weight for la in layers],
@@ -66,7 +48,7 @@ def time_projection(ws: list[torch.Tensor], copy_bw: float) -> dict:
         for w in ws:
             torch.mm(x, w.t(), out=y)
 
-    def triton_all(cfg) -> None:
+    def triton_all(cfg: tuple[int, int, int, int]) -> None:
         for w in ws:
             gemv(x, w, cfg)
 
@@ -91,7 +73,7 @@ def time_projection(ws: list[torch.Tensor], copy_bw: float) -> dict:
     return row
 
 
-def sweep(model, drafter=None, copy_bw: float = 1.0) -> dict:
+def sweep(model: nn.Module, drafter: nn.Module | None = None, copy_bw: float = 1.0) -> dict:
     """`time_projection` for every projection; totals (cuBLAS, best config, default config)."""
     rows = {name: time_projection(ws, copy_bw)
             for name, ws in projections(model, drafter).items()}

@@ -1,0 +1,97 @@
+"""Device-side timing for the GPU benchmark scripts (CUDA only): a function's time as one CUDA
+graph, the engine's decode-step graph replay, copy bandwidth, and the bytes floor of a decode
+step (what it must read at that bandwidth)."""
+
+from __future__ import annotations
+
+import gc
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from blockspec import LLM
+
+__all__ = ["copy_bandwidth", "floor_bytes", "free", "graph_ms", "replay_ms"]
+
+
+def free() -> None:
+    """Call after dropping the last reference to an engine."""
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+def graph_ms(fn: Callable[[], object], iters: int = 20) -> float:
+    """Median replay time of `fn` captured in one CUDA graph."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    for _ in range(3):
+        g.replay()
+    times = []
+    for _ in range(iters):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return float(np.median(times))
+
+
+def copy_bandwidth() -> float:
+    """Device copy bandwidth in bytes/s (bytes read + written), median of 20 copies of 2 GiB."""
+    x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    times = []
+    for _ in range(20):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        y.copy_(x)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    times.sort()
+    del x, y
+    free()
+    return 2 * (2 << 30) / times[len(times) // 2]
+
+
+def floor_bytes(llm: LLM, context: int) -> int:
+    """Bytes an AR decode step must read: the target's weights except the embedding table, plus
+    the KV cache of one sequence at `context` (bf16)."""
+    model = llm.engine.model
+    weights = sum(p.numel() * p.element_size() for n, p in model.named_parameters()
+                  if "embed_tokens" not in n)
+    mc = llm.engine.model_config
+    kv = 2 * mc.num_hidden_layers * context * mc.num_key_value_heads * mc.head_dim * 2
+    return weights + kv
+
+
+def replay_ms(llm: LLM, n: int, context: int, iters: int = 50) -> float:
+    """Median time of one graph replay of the decode step for `n` sequences at `context`."""
+    runner = llm.engine.runner
+    bufs = runner.bufs
+    bufs.block_tables.fill_(runner.trash_block)
+    bufs.ctx_lens[:n].fill_(context)
+    times = []
+    for i in range(iters + 5):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        runner.graphs.replay(n)
+        b.record()
+        b.synchronize()
+        if i >= 5:
+            times.append(a.elapsed_time(b))
+    times.sort()
+    return times[len(times) // 2]
