@@ -33,9 +33,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=256, help="max running sequences")
     g.add_argument("--max-num-batched-tokens", type=int, default=8192,
                    help="token budget per step (prefills are chunked to fit)")
-    g.add_argument("--decode-step-prefill-tokens", type=int, default=None,
-                   help="prefill tokens of a step that also decodes, which delay every running "
-                        "stream (default: 12 per decoding sequence, at least 256; 0: no cap)")
+    g.add_argument("--decode-step-prefill-tokens", type=_prefill_cap, default=0,
+                   metavar="N|auto",
+                   help="cap on the prefill tokens of a step that also decodes, which delay "
+                        "every running stream: lower ITL tails for fewer tokens/s (default 0: "
+                        "no cap; auto: 12 per decoding sequence, at least 256)")
     g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
@@ -82,6 +84,19 @@ def block_sizes_arg(text: str) -> tuple[int, ...]:
     if any(s < 2 for s in sizes):
         raise argparse.ArgumentTypeError(f"block sizes must be >= 2, got {text!r}")
     return sizes
+
+
+def _prefill_cap(text: str) -> int | None:
+    if text == "auto":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a token count or 'auto', got {text!r}") \
+            from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:

@@ -69,3 +69,16 @@ def test_eval_acceptance_defaults_to_the_demo_pair(tmp_path, capsys):
     assert main(["eval-acceptance", "--prompts", str(prompts), "--max-tokens", "16",
                  "--device", "cpu", "--out", str(out)]) == 0
     assert "demo pair" in capsys.readouterr().err and out.is_file()
+
+
+def test_decode_step_prefill_tokens_flag():
+    from blockspec.cli import build_parser, engine_kwargs
+
+    parse = build_parser().parse_args
+    assert engine_kwargs(parse(["serve"]))["decode_step_prefill_tokens"] == 0
+    assert engine_kwargs(parse(["serve", "--decode-step-prefill-tokens", "auto"]))[
+        "decode_step_prefill_tokens"] is None
+    assert engine_kwargs(parse(["serve", "--decode-step-prefill-tokens", "384"]))[
+        "decode_step_prefill_tokens"] == 384
+    with pytest.raises(SystemExit):
+        parse(["serve", "--decode-step-prefill-tokens", "-1"])

@@ -32,7 +32,7 @@ class SchedulerOutput:
         return bool(self.seqs)
 
 
-# The default prefill budget of a step with decoding sequences: PER_DECODE tokens per decoding
+# The "auto" prefill budget of a step with decoding sequences: PER_DECODE tokens per decoding
 # sequence, at least FLOOR. NOTE: enough to keep a closed loop of 512-token prompts for
 # 256-token outputs fed at tau up to ~6 from C = 16 up, while one step's prefill adds about one
 # decode step to the streams it delays (ITL; docs/benchmarks.md, "Closed loop").
@@ -41,7 +41,7 @@ DECODE_PREFILL_FLOOR, DECODE_PREFILL_PER_DECODE = 256, 12
 
 def decode_prefill_budget(setting: int | None, num_decoding: int, step_budget: int) -> int:
     """Prefill tokens a step may take beside `num_decoding` decoding sequences. `setting`:
-    EngineConfig.decode_step_prefill_tokens (None: the default rule, 0: no cap)."""
+    EngineConfig.decode_step_prefill_tokens (0: no cap, None: the "auto" rule)."""
     if not num_decoding or setting == 0:
         return step_budget
     if setting is None:
@@ -85,11 +85,11 @@ class Scheduler:
             budget_lookahead = self.num_lookahead_slots
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        # NOTE: a pass over the running sequences: prefill chunks beside decodes delay every
-        # stream by their length, so their share of the step is capped (see DECODE_PREFILL_*).
-        prefill = decode_prefill_budget(
-            self.decode_step_prefill_tokens,
-            sum(1 for s in self.running if s.num_tokens - s.num_computed_tokens == 1), budget)
+        prefill = budget  # NOTE: prefill chunks beside decodes delay every stream
+        if self.decode_step_prefill_tokens != 0:
+            prefill = decode_prefill_budget(
+                self.decode_step_prefill_tokens,
+                sum(1 for s in self.running if s.num_tokens - s.num_computed_tokens == 1), budget)
         bm, block_size = self.block_manager, self.block_manager.block_size
         decode_slots = 1 + self.num_lookahead_slots
         decode_cost = 1 + min(self.num_lookahead_slots, budget_lookahead)
