@@ -112,10 +112,11 @@ def test_token_budget_follows_the_policys_last_choice(qwen3_path, drafter, promp
     def spy(seqs, num_new_tokens, *rest):
         decoding = [n == 1 and s.num_computed_tokens == s.num_tokens - 1
                     for s, n in zip(seqs, num_new_tokens)]
-        budgeted = r.budget_block_len
+        budgeted = r.planner.budget_block_len
         res = execute(seqs, num_new_tokens, *rest)
         prefill = sum(n for n, d in zip(num_new_tokens, decoding) if not d)
-        steps.append((prefill, sum(decoding), max(res.block_len, 1), budgeted, r.last_block_len))
+        steps.append((prefill, sum(decoding), max(res.block_len, 1), budgeted,
+                      r.planner.last_block_len))
         return res
 
     r.execute = spy

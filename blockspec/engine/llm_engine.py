@@ -246,8 +246,9 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
-        sched = self.scheduler.schedule(budget_lookahead=min(self.runner.next_budget_lookahead(),
-                                                             self.scheduler.num_lookahead_slots))
+        lookahead = self.runner.planner.next_budget_lookahead()
+        sched = self.scheduler.schedule(
+            budget_lookahead=min(lookahead, self.scheduler.num_lookahead_slots))
         if not sched:
             return []
         t1 = time.perf_counter()

@@ -1,9 +1,12 @@
-"""Owns the models and KV caches on the device; turns scheduled sequences into flat tensors, runs
-one step (draft -> verify/prefill/decode -> write draft context -> sample -> accept), and returns
-what each sequence committed. The host syncs once per step, to read the tokens.
+"""Owns the models and KV caches on the device; runs one step (draft -> verify/prefill/decode ->
+write draft context -> sample -> accept) and returns what each sequence committed. The host syncs
+once per step, to read the tokens.
 
-With a drafter, every step's block length L (1 = plain decode, or one of the speculative block
-lengths) comes from the speculation controller; all decoding sequences of a step share it.
+A step runs its plan (`StepPlanner`): the block length L of its decoding sequences (1 = plain
+decode, or one of the speculative block lengths, the speculation controller's choice; all
+decoding sequences of a step share it) and the path: the graphed decode step when every sequence
+decodes; beside it, the prefill chunks' own graphed forward (a split mixed step); else one eager
+forward of the flat batch.
 NOTE: every committed token gets the drafter's context K/V, so the next step may run any L:
 speculative and mixed steps write it at their verified positions; an all-plain step (L = 1) only
 stages its taps (`ContextStaging`), written in one batched pass before the drafter next runs (or
@@ -14,7 +17,6 @@ context altogether and it is caught up before the drafter next runs (see `lazy_c
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import torch
@@ -34,15 +36,10 @@ from blockspec.engine.decode_step import (
 from blockspec.engine.kv_cache import BlockManager
 from blockspec.engine.lazy_context import LazyDraftContext
 from blockspec.engine.mixed_step import MixedStep
-from blockspec.engine.prefill_exec import PrefillExecutor
-from blockspec.engine.prefill_step import (
-    PREFILL_GRAPH_SEQS,
-    PrefillBuffers,
-    PrefillStep,
-    prefill_buckets,
-)
+from blockspec.engine.prefill_exec import build_prefill
 from blockspec.engine.sequence import Sequence
 from blockspec.engine.speculation import SpecController
+from blockspec.engine.step_plan import Plan, StepPlanner
 from blockspec.engine.step_result import StepResult, StepTimings, merge_results
 from blockspec.layers.attention import PagedAttention
 from blockspec.models.qwen3 import CausalLM
@@ -97,16 +94,13 @@ class ModelRunner:
                                       model_cfg.vocab_size, self.staging, self.default_generator,
                                       self.synced, proposer is not None)
         graphed = self.device.type == "cuda" and not config.enforce_eager
-        self.prefill = self._init_prefill(graphed, max_blocks)
+        self.prefill = build_prefill(config, model, proposer, block_manager, self.trash_block,
+                                     max_model_len, max_blocks, graphed, self.synced)
         self.graphs_by_len: dict[int, GraphedDecodeStep] = {}
         if graphed:
             self._capture_graphs(adaptive)
         self.graphs = self.graphs_by_len.get(self.max_block)  # compat: the max block's graphs
         self.timings = StepTimings()  # the runner's parts; the engine adds its own and steps
-        # The policy's last choice, and the block length the scheduler budgeted this step for
-        # (see next_budget_lookahead).
-        self.last_block_len = self.max_block
-        self.budget_block_len = self.max_block
         # (decoding sequences, block length) of the last step if it was an all-decode step
         # without a catch-up: the engine reports its wall time (observe_step_time).
         self.timed_step: tuple[int, int] | None = None
@@ -114,6 +108,8 @@ class ModelRunner:
         self.controller: SpecController | None = None  # NOTE: None while costs are measured
         if proposer is not None:
             self.controller = self._init_controller(adaptive)
+        self.planner = StepPlanner(self.controller, self.lazy, self.spec_lens, self.max_block,
+                                   max_model_len, config.max_num_batched_tokens, self.prefill)
 
     def _bind_kv_cache(self) -> None:
         bm, cfg = self.bm, self.model_cfg
@@ -139,18 +135,6 @@ class ModelRunner:
             self.lazy = LazyDraftContext(self.model, proposer, self.bm, self.staging,
                                          self.trash_block, cfg.max_num_batched_tokens,
                                          self.max_model_len, cfg.max_num_seqs, self.device)
-
-    def _init_prefill(self, graphed: bool, max_blocks: int) -> PrefillExecutor | None:
-        """The split mixed step's prefill forward (EngineConfig.split_prefill)."""
-        split = self.config.split_prefill
-        buckets = prefill_buckets(self.config.max_num_batched_tokens)
-        if not (graphed if split is None else split) or not buckets:
-            return None
-        bufs = PrefillBuffers.allocate(buckets[-1], PREFILL_GRAPH_SEQS + 1, max_blocks,
-                                       self.device)
-        step = PrefillStep(self.model, self.proposer, self.max_model_len)
-        return PrefillExecutor(step, bufs, buckets, self.bm, self.trash_block,
-                               self.model_cfg.vocab_size, self.synced)
 
     def _capture_graphs(self, adaptive: bool) -> None:
         """Graphs for every block length the policy can choose (fixed: the max block only)."""
@@ -236,36 +220,32 @@ class ModelRunner:
 
     def _execute(self, seqs: list[Sequence], num_new_tokens: list[int],
                  ctx: StepContext) -> StepResult:
-        decoding = [n == 1 and s.num_computed_tokens == s.num_tokens - 1
-                    for s, n in zip(seqs, num_new_tokens)]
-        n_dec = sum(decoding)
-        L = self._choose(seqs, decoding, n_dec, ctx)
-        blens = self._blocks(seqs, decoding, L)
-        drafting = blens is not None and max(blens) >= 2
-        if drafting:
+        plan = self.planner.decide(seqs, num_new_tokens, ctx)
+        if plan.drafting:
             self.flush_context()  # NOTE: the drafter runs: its context must be whole
-        whole_blocks = blens is None or all(b == L for b, d in zip(blens, decoding) if d)
-        plain_decode = n_dec == len(seqs) and whole_blocks
-        split = not plain_decode and whole_blocks and self.prefill is not None \
-            and self.prefill.fits([n for n, d in zip(num_new_tokens, decoding) if not d])
-        self._before(seqs, blens if drafting else None, L, n_dec, plain_decode)
-        if plain_decode:
-            res = self._execute_decode(seqs, L)
-        elif split:
-            res = self._execute_split(seqs, num_new_tokens, decoding, L)
+        self._before(seqs, plan)
+        if plan.path == "decode":
+            res = self._execute_decode(seqs, plan.block_len)
+        elif plan.path == "split":
+            res = self._execute_split(seqs, num_new_tokens, plan.decoding, plan.block_len)
         else:
-            res = self._execute_mixed(seqs, num_new_tokens, decoding, blens)
+            res = self._execute_mixed(seqs, num_new_tokens, plan.decoding, plan.blens)
+        self._after(seqs, plan, res)
+        return res
+
+    def _after(self, seqs: list[Sequence], plan: Plan, res: StepResult) -> None:
+        """The lazy context's counts, and the policy's acceptance statistics."""
+        L, n_dec = plan.block_len, plan.num_decoding
         if self.lazy is not None and not self.lazy.detached:
             # NOTE: an attached plain decode stages its rows (a drafter exists, so steps[1]
             # defers its context): they count when flushed.
-            staged = L == 1 and (plain_decode or split)
-            written = [(s, a) for s, a, d in zip(seqs, res.advance, decoding)
+            staged = L == 1 and plan.path != "mixed"
+            written = [(s, a) for s, a, d in zip(seqs, res.advance, plan.decoding)
                        if not (staged and d)]
             self.lazy.count_written([s for s, _ in written], [a for _, a in written])
         res.block_len = L if n_dec else 0
         if self.controller is not None and n_dec:
             self.controller.observe(L, res.drafted, res.accepted)
-        return res
 
     def _execute_mixed(self, seqs: list[Sequence], num_new_tokens: list[int],
                        decoding: list[bool], blens: list[int] | None) -> StepResult:
@@ -289,42 +269,18 @@ class ModelRunner:
         decoded = self._execute_decode(dec, L) if dec else None
         return merge_results(seqs, decoding, decoded, finish())
 
-    def _choose(self, seqs: list[Sequence], decoding: list[bool], n_dec: int,
-                ctx: StepContext) -> int:
-        """The step's block length (1: plain decode): the policy's choice at the batch it
-        prices (the load, while the lazy context is detached), cut to the token budget."""
-        if self.controller is None:
-            return 1
-        n_policy = n_dec
-        if self.lazy is not None:
-            # NOTE: also in a step that only prefills: the load rule detaches before prefills
-            # write drafter context the policy would not use
-            n_policy = self.lazy.policy_batch(n_dec, ctx, self.controller)
-            ctx = dataclasses.replace(ctx, switch_cost=self.lazy.switch_cost(seqs, decoding))
-        if not n_dec:
-            return 1
-        L = self.last_block_len = self.controller.choose(n_policy, ctx)
-        return self._fit_budget(L, n_dec, len(seqs)) if L > self.budget_block_len else L
-
-    def _blocks(self, seqs: list[Sequence], decoding: list[bool], L: int) -> list[int] | None:
-        """Tokens verified per decoding sequence at L >= 2: its last token plus L - 1 drafts,
-        cut at the end of the context; None at L = 1 (plain decode or no drafter), where the
-        all-decode step needs no per-sequence pass."""
-        if L < 2:
-            return None
-        return [min(L, self.max_model_len - s.num_computed_tokens) if d else 0
-                for s, d in zip(seqs, decoding)]
-
-    def _before(self, seqs: list[Sequence], draft_blens: list[int] | None, L: int, n_dec: int,
-                plain_decode: bool) -> None:
+    def _before(self, seqs: list[Sequence], plan: Plan) -> None:
         """Which steps time the policy's overhead term, and the lazy context's bookkeeping
         (detach, catch up) before the step runs."""
-        self.timed_step = (n_dec, L) if plain_decode and self.controller is not None else None
+        decode, L = plan.path == "decode", plan.block_len
+        self.timed_step = (plan.num_decoding, L) \
+            if decode and self.controller is not None else None
         lazy = self.lazy
         if lazy is None:
             return
         catchups = lazy.num_catchups
-        lazy.before_step(seqs, draft_blens, L, n_dec, plain_decode and L == 1)
+        lazy.before_step(seqs, plan.blens if plan.drafting else None, L, plan.num_decoding,
+                         decode and L == 1)
         if lazy.num_catchups != catchups:
             self.timed_step = None  # NOTE: a catch-up is priced by switch_cost, not here
 
@@ -334,22 +290,6 @@ class ModelRunner:
         if self.timed_step is not None:
             self.controller.observe_step_time(*self.timed_step, seconds)
             self.timed_step = None
-
-    def next_budget_lookahead(self) -> int:
-        """Lookahead tokens per decoding sequence for the next step's token budget (the
-        scheduler's budget_lookahead): the policy's last choice - 1, since a policy that just
-        chose plain decode will likely again, and a prefill chunk then keeps the tokens."""
-        self.budget_block_len = self.last_block_len
-        return self.last_block_len - 1
-
-    def _fit_budget(self, L: int, num_decoding: int, num_seqs: int) -> int:
-        """The chosen block cut to what the step's token budget holds. NOTE: a step that also
-        prefills has room for the budgeted block only; an all-decode step for any block that
-        keeps num_decoding x L within max_num_batched_tokens (the forward the engine profiled),
-        rounded down to a block length with graphs."""
-        limit = self.budget_block_len if num_decoding < num_seqs else max(
-            self.budget_block_len, self.config.max_num_batched_tokens // num_decoding)
-        return max([1, *(x for x in self.spec_lens if x <= min(L, limit))])
 
     def _execute_decode(self, seqs: list[Sequence], q: int) -> StepResult:
         """All sequences decoding with a block of `q`: the fixed-shape (graphable) step."""

@@ -8,11 +8,20 @@ from collections.abc import Callable
 
 import torch
 
+from blockspec.config import EngineConfig
+from blockspec.dflash.proposer import DFlashProposer
 from blockspec.engine.kv_cache import BlockManager
-from blockspec.engine.prefill_step import GraphedPrefillStep, PrefillBuffers, PrefillStep
+from blockspec.engine.prefill_step import (
+    PREFILL_GRAPH_SEQS,
+    GraphedPrefillStep,
+    PrefillBuffers,
+    PrefillStep,
+    prefill_buckets,
+)
 from blockspec.engine.row_sampling import SampleRows, row_logprobs, sample_rows
 from blockspec.engine.sequence import Sequence
 from blockspec.engine.step_result import StepResult
+from blockspec.models.qwen3 import CausalLM
 
 
 class PrefillExecutor:
@@ -67,3 +76,18 @@ class PrefillExecutor:
                               [0] * n, [0] * n, [0] * n)
 
         return finish
+
+
+def build_prefill(config: EngineConfig, model: CausalLM, proposer: DFlashProposer | None,
+                  bm: BlockManager, trash_block: int, max_model_len: int, max_blocks: int,
+                  graphed: bool, synced: Callable[[torch.Tensor], list]
+                  ) -> PrefillExecutor | None:
+    """The split mixed step's prefill forward (EngineConfig.split_prefill: None = with graphs),
+    or None where mixed steps run as one eager forward. Captured with the runner's graphs."""
+    buckets = prefill_buckets(config.max_num_batched_tokens)
+    if not (graphed if config.split_prefill is None else config.split_prefill) or not buckets:
+        return None
+    bufs = PrefillBuffers.allocate(buckets[-1], PREFILL_GRAPH_SEQS + 1, max_blocks,
+                                   next(model.parameters()).device)
+    return PrefillExecutor(PrefillStep(model, proposer, max_model_len), bufs, buckets, bm,
+                           trash_block, model.config.vocab_size, synced)

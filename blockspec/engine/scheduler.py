@@ -80,7 +80,7 @@ class Scheduler:
         regardless): the engine lowers it when the next step will likely decode plainly, so
         prefill chunks are not cut for drafts that will not run. NOTE: the runner then verifies
         at most budget_lookahead + 1 tokens per sequence in a step that also prefills
-        (ModelRunner.budget_block_len)."""
+        (StepPlanner.budget_block_len)."""
         if budget_lookahead is None:
             budget_lookahead = self.num_lookahead_slots
         out = SchedulerOutput()

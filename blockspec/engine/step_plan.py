@@ -1,0 +1,102 @@
+"""One step's decision: the block length of its decoding sequences (the policy's choice at the
+load it prices, cut to the token budget), each sequence's verified tokens, and which execute path
+runs the step."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from blockspec.engine.lazy_context import LazyDraftContext
+from blockspec.engine.prefill_exec import PrefillExecutor
+from blockspec.engine.sequence import Sequence
+from blockspec.engine.speculation import SpecController
+from blockspec.policy.step_context import StepContext
+
+
+@dataclass(frozen=True)
+class Plan:
+    decoding: list[bool]  # per scheduled sequence: it decodes (one uncomputed token)
+    block_len: int  # the decoding sequences' block (1: plain decode, also with none decoding)
+    # Tokens verified per sequence at block_len >= 2 (0: it prefills); None at block_len 1.
+    blens: list[int] | None
+    # "decode": every sequence decodes with whole blocks (the graphed step); "split": the
+    # prefill chunks' forward beside that step; "mixed": one eager forward of the flat batch.
+    path: str
+
+    @property
+    def num_decoding(self) -> int:
+        return sum(self.decoding)
+
+    @property
+    def drafting(self) -> bool:
+        return self.blens is not None and max(self.blens) >= 2
+
+
+class StepPlanner:
+    def __init__(self, controller: SpecController | None, lazy: LazyDraftContext | None,
+                 spec_lens: list[int], max_block: int, max_model_len: int,
+                 max_num_batched_tokens: int, prefill: PrefillExecutor | None) -> None:
+        self.controller, self.lazy, self.prefill = controller, lazy, prefill
+        self.spec_lens, self.max_model_len = spec_lens, max_model_len
+        self.max_num_batched_tokens = max_num_batched_tokens
+        # The policy's last choice, and the block length the scheduler budgeted this step for
+        # (see next_budget_lookahead).
+        self.last_block_len = self.budget_block_len = max_block
+
+    def decide(self, seqs: list[Sequence], num_new_tokens: list[int],
+               ctx: StepContext) -> Plan:
+        decoding = [n == 1 and s.num_computed_tokens == s.num_tokens - 1
+                    for s, n in zip(seqs, num_new_tokens)]
+        L = self._choose(seqs, decoding, ctx)
+        blens = self._blocks(seqs, decoding, L)
+        whole = blens is None or all(b == L for b, d in zip(blens, decoding) if d)
+        if whole and all(decoding):
+            path = "decode"
+        elif whole and self.prefill is not None and self.prefill.fits(
+                [n for n, d in zip(num_new_tokens, decoding) if not d]):
+            path = "split"
+        else:
+            path = "mixed"
+        return Plan(decoding, L, blens, path)
+
+    def next_budget_lookahead(self) -> int:
+        """Lookahead tokens per decoding sequence for the next step's token budget (the
+        scheduler's budget_lookahead): the policy's last choice - 1, since a policy that just
+        chose plain decode will likely again, and a prefill chunk then keeps the tokens."""
+        self.budget_block_len = self.last_block_len
+        return self.last_block_len - 1
+
+    def _choose(self, seqs: list[Sequence], decoding: list[bool], ctx: StepContext) -> int:
+        """The policy's choice at the batch it prices (the load, while the lazy context is
+        detached), cut to the token budget."""
+        if self.controller is None:
+            return 1
+        n_dec = sum(decoding)
+        n_policy = n_dec
+        if self.lazy is not None:
+            # NOTE: also in a step that only prefills: the load rule detaches before prefills
+            # write drafter context the policy would not use
+            n_policy = self.lazy.policy_batch(n_dec, ctx, self.controller)
+            ctx = dataclasses.replace(ctx, switch_cost=self.lazy.switch_cost(seqs, decoding))
+        if not n_dec:
+            return 1
+        L = self.last_block_len = self.controller.choose(n_policy, ctx)
+        return self._fit_budget(L, n_dec, len(seqs)) if L > self.budget_block_len else L
+
+    def _blocks(self, seqs: list[Sequence], decoding: list[bool], L: int) -> list[int] | None:
+        """Tokens verified per decoding sequence at L >= 2: its last token plus L - 1 drafts,
+        cut at the end of the context."""
+        if L < 2:
+            return None
+        return [min(L, self.max_model_len - s.num_computed_tokens) if d else 0
+                for s, d in zip(seqs, decoding)]
+
+    def _fit_budget(self, L: int, num_decoding: int, num_seqs: int) -> int:
+        """The chosen block cut to what the step's token budget holds. NOTE: a step that also
+        prefills has room for the budgeted block only; an all-decode step for any block that
+        keeps num_decoding x L within max_num_batched_tokens (the forward the engine profiled),
+        rounded down to a block length with graphs."""
+        limit = self.budget_block_len if num_decoding < num_seqs else max(
+            self.budget_block_len, self.max_num_batched_tokens // num_decoding)
+        return max([1, *(x for x in self.spec_lens if x <= min(L, limit))])
