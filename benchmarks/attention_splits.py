@@ -25,12 +25,8 @@ import torch
 from blockspec.bench.common import git_commit, recorded_command
 from blockspec.bench.gpu_timing import graph_ms
 from blockspec.layers.attention import AttentionMetadata
-from blockspec.layers.triton_attention import (
-    TritonAttentionBackend,
-    _num_sms,
-    choose_num_splits,
-    split_limits,
-)
+from blockspec.layers.attention_splits import choose_num_splits, num_sms, split_limits
+from blockspec.layers.triton_attention import TritonAttentionBackend
 
 LAYERS, HQ, HKV, D, BS = 36, 32, 8, 128, 16
 
@@ -75,7 +71,7 @@ def main() -> int:
                                 (16, False, "draft")):
             meta = metadata(ctx, q, causal, max(args.max_model_len, ctx), dev)
             x = torch.randn(q, HQ, D, device=dev, dtype=torch.bfloat16)
-            heuristic = choose_num_splits(HKV, q, meta.max_seq_len, _num_sms(dev),
+            heuristic = choose_num_splits(HKV, q, meta.max_seq_len, num_sms(dev),
                                           *split_limits(16 if q == 1 else 64))
             row = {"context": ctx, "query": name, "heuristic_splits": heuristic, "ms": {}}
             for block_n in (32, 64):
@@ -87,7 +83,7 @@ def main() -> int:
             # A deployment's graphs see max_model_len (Qwen3-8B: 40960), not the context.
             long = metadata(ctx, q, causal, 40960, dev)
             row["heuristic_40960_splits"] = choose_num_splits(
-                HKV, q, 40960, _num_sms(dev), *split_limits(16 if q == 1 else 64))
+                HKV, q, 40960, num_sms(dev), *split_limits(16 if q == 1 else 64))
             row["heuristic_40960_ms"] = time_attend(TritonAttentionBackend(), x, caches, long)
             best = min(row["ms"], key=row["ms"].get)
             row["best"], row["best_ms"] = best, row["ms"][best]

@@ -26,13 +26,10 @@ GREEDY = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def prompts():
-    return random_prompts([3 + (i * 29) % 70 for i in range(6)], seed=13)
-
-
-@pytest.fixture(scope="module")
-def ar_ref(qwen3_path, prompts):
-    return greedy_token_ids(qwen3_path, prompts, GREEDY)
+def case(qwen3_path) -> tuple[list[list[int]], list[list[int]]]:
+    """(prompts, plain greedy decoding's outputs for them)."""
+    prompts = random_prompts([3 + (i * 29) % 70 for i in range(6)], seed=13)
+    return prompts, greedy_token_ids(qwen3_path, prompts, GREEDY)
 
 
 def count_paths(monkeypatch) -> dict[str, int]:
@@ -58,8 +55,9 @@ def test_buckets():
 @pytest.mark.parametrize("lazy", [True, False], ids=["lazy", "attached"])
 @pytest.mark.parametrize("kv", [dict(), dict(num_kv_blocks=12, max_num_batched_tokens=64)],
                          ids=["roomy", "preempting"])
-def test_greedy_and_drafter_context_match_the_mixed_step(qwen3_path, drafter16, prompts,
-                                                         ar_ref, lazy, kv, monkeypatch):
+def test_greedy_and_drafter_context_match_the_mixed_step(qwen3_path, drafter16, case, lazy, kv,
+                                                         monkeypatch):
+    prompts, ar_ref = case
     calls = count_paths(monkeypatch)
     runs = []
     for split in (True, False):
@@ -83,7 +81,8 @@ def test_greedy_and_drafter_context_match_the_mixed_step(qwen3_path, drafter16, 
 
 
 @pytest.mark.parametrize("draft", [True, False], ids=["dflash", "plain"])
-def test_seeded_sampling_and_logprobs_match(qwen3_path, drafter16, prompts, draft):
+def test_seeded_sampling_and_logprobs_match(qwen3_path, drafter16, case, draft):
+    prompts = case[0]
     params = [SamplingParams(temperature=0.9, top_p=0.95, seed=7 + i, max_tokens=24,
                              logprobs=2, ignore_eos=True, presence_penalty=0.3)
               for i in range(len(prompts))]

@@ -24,6 +24,7 @@ pytest.importorskip("triton", minversion="3.7" if DEVICE == "cpu" else None)
 import triton.language as tl  # noqa: E402
 from helpers import run_file_with_triton_interpreter  # noqa: E402
 
+import blockspec.layers.attention_splits as sp  # noqa: E402
 import blockspec.layers.triton_attention as ta  # noqa: E402
 from blockspec.layers.attention import (  # noqa: E402
     AttentionMetadata,
@@ -31,10 +32,8 @@ from blockspec.layers.attention import (  # noqa: E402
     TorchAttentionBackend,
     get_backend,
 )
-from blockspec.layers.triton_attention import (  # noqa: E402
-    TritonAttentionBackend,
-    choose_num_splits,
-)
+from blockspec.layers.attention_splits import choose_num_splits  # noqa: E402
+from blockspec.layers.triton_attention import TritonAttentionBackend  # noqa: E402
 
 TRITON_HERE = DEVICE == "cuda" or all(
     type(fn).__name__ == "InterpretedFunction" for fn in (tl.zeros, ta._attn_kernel))
@@ -146,14 +145,14 @@ def test_split_kv_skips_splits_past_the_context(monkeypatch, splits, split_keys,
 
 
 def test_split_limits_by_rows():
-    assert ta.split_limits(16) == (ta.MIN_KEYS_PER_SPLIT_DECODE, ta.MAX_SPLITS_DECODE)
-    assert ta.split_limits(64) == (ta.MIN_KEYS_PER_SPLIT_BLOCK, ta.MAX_SPLITS_BLOCK)
+    assert sp.split_limits(16) == (sp.MIN_KEYS_PER_SPLIT_DECODE, sp.MAX_SPLITS_DECODE)
+    assert sp.split_limits(64) == (sp.MIN_KEYS_PER_SPLIT_BLOCK, sp.MAX_SPLITS_BLOCK)
     # Batch 1 (8 KV-head programs): a 16-token block at max_model_len 40960 launches 16 splits,
     # a decode token 32; at max_model_len 1024, 8 and 16.
-    assert choose_num_splits(8, 16, 40960, 132, *ta.split_limits(64)) == 16
-    assert choose_num_splits(8, 1, 40960, 132, *ta.split_limits(16)) == 32
-    assert choose_num_splits(8, 16, 1024, 132, *ta.split_limits(64)) == 8
-    assert choose_num_splits(8, 1, 1024, 132, *ta.split_limits(16)) == 16
+    assert choose_num_splits(8, 16, 40960, 132, *sp.split_limits(64)) == 16
+    assert choose_num_splits(8, 1, 40960, 132, *sp.split_limits(16)) == 32
+    assert choose_num_splits(8, 16, 1024, 132, *sp.split_limits(64)) == 8
+    assert choose_num_splits(8, 1, 1024, 132, *sp.split_limits(16)) == 16
 
 
 @needs_triton
@@ -264,7 +263,7 @@ def test_long_queries_share_one_tile_shape():
     their own (the graphs' decode / verify shapes)."""
     be = TritonAttentionBackend()
     for group in (1, 2, 4, 8):
-        long = {be.block_m(q, group) for q in range(ta.SPLIT_MAX_QUERY_LEN + 1, 600)}
+        long = {be.block_m(q, group) for q in range(sp.SPLIT_MAX_QUERY_LEN + 1, 600)}
         assert long == {max(be.max_block_m, group)}
         assert be.block_m(1, group) == max(16, group)
         assert be.block_m(16, group) == min(max(16, 16 * group), be.max_block_m)

@@ -43,6 +43,25 @@ def distribution(values_s: Sequence[float]) -> dict[str, float] | None:
             "p99": float(np.percentile(a, 99)), "count": int(a.size)}
 
 
+def _first_errors(records: Sequence[RequestRecord], limit: int = 5) -> list[str]:
+    """The first `limit` distinct failure messages: enough to diagnose, short enough to print."""
+    errors: list[str] = []
+    for r in records:
+        if not r.ok and r.error and r.error not in errors and len(errors) < limit:
+            errors.append(r.error)
+    return errors
+
+
+def _latency_distributions(ok: Sequence[RequestRecord]) -> dict[str, dict[str, float] | None]:
+    """TTFT / TPOT / ITL / end-to-end distributions over requests that report each one."""
+    return {
+        "ttft_ms": distribution([r.ttft for r in ok if r.ttft is not None]),
+        "tpot_ms": distribution([t for r in ok if (t := r.tpot) is not None]),
+        "itl_ms": distribution([g for r in ok for g in r.itl]),
+        "e2e_latency_ms": distribution([r.latency for r in ok if r.latency is not None]),
+    }
+
+
 def summarize_level(concurrency: int, records: Sequence[RequestRecord],
                     duration_s: float) -> dict[str, Any]:
     """Throughput counts successful requests only; failures are reported, never hidden."""
@@ -51,10 +70,6 @@ def summarize_level(concurrency: int, records: Sequence[RequestRecord],
     in_tokens = sum(r.prompt_tokens for r in ok)
     dur = max(duration_s, 1e-9)
     sources = {r.token_source for r in ok}
-    errors: list[str] = []
-    for r in records:
-        if not r.ok and r.error and r.error not in errors and len(errors) < 5:
-            errors.append(r.error)
     return {
         "concurrency": concurrency,
         "num_requests": len(records),
@@ -66,12 +81,9 @@ def summarize_level(concurrency: int, records: Sequence[RequestRecord],
         "output_tok_s": out_tokens / dur,
         "total_tok_s": (in_tokens + out_tokens) / dur,
         "req_s": len(ok) / dur,
-        "ttft_ms": distribution([r.ttft for r in ok if r.ttft is not None]),
-        "tpot_ms": distribution([t for r in ok if (t := r.tpot) is not None]),
-        "itl_ms": distribution([g for r in ok for g in r.itl]),
-        "e2e_latency_ms": distribution([r.latency for r in ok if r.latency is not None]),
+        **_latency_distributions(ok),
         "token_counts": "usage" if sources == {"usage"} else "/".join(sorted(sources)) or None,
-        "errors": errors,
+        "errors": _first_errors(records),
     }
 
 

@@ -70,6 +70,22 @@ class DFlashProposer:
         store the drafter's context K/V."""
         self.drafter.write_context(self.drafter.fuse(taps), positions, slot_mapping)
 
+    def draft(self, block_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+              rows: torch.Tensor | None = None, q: int = 0) -> torch.Tensor:
+        """The one drafting pass of every step, eager or graphed: the drafter over DFlash
+        blocks (`block_ids`: each block's last committed token, then mask tokens; `meta`
+        non-causal), then the target's LM head's greedy pick at the rows that predict drafts:
+        `rows` (flat indices), or rows 1..q-1 of every block when all have `q` tokens.
+        Returns [rows] int64 token ids."""
+        hidden = self.drafter(self.target.model.embed_tokens(block_ids), positions, meta)
+        if rows is None:
+            # NOTE: a contiguous 2-D input: a strided 3-D one makes cuBLAS run one batched GEMM
+            # per sequence, re-reading the whole lm_head each time (measured: 9.5 ms at C=32).
+            hidden = hidden.view(-1, q, hidden.shape[-1])[:, 1:].reshape(-1, hidden.shape[-1])
+        else:
+            hidden = hidden[rows]
+        return self.target.compute_logits(hidden).argmax(dim=-1)
+
     def propose(self, last_tokens: list[int], block_lens: list[int], context_lens: list[int],
                 block_tables: list[list[int]], slots: list[list[int]],
                 width: int | None = None) -> torch.Tensor:
@@ -89,8 +105,6 @@ class DFlashProposer:
             block_lens, [c + b for c, b in zip(context_lens, block_lens)], block_tables,
             flat_slots, self.device, causal=False)
         dev = self.device
-        embeds = self.target.model.embed_tokens(torch.tensor(ids, device=dev))
-        hidden = self.drafter(embeds, torch.tensor(positions, device=dev), meta)
         # Rows 1..b-1 of each block predict the draft tokens; pad to a fixed width.
         width = (width or self.block_size) - 1
         if max(block_lens) - 1 > width:
@@ -101,7 +115,7 @@ class DFlashProposer:
             rows += [start + 1 + j if j < b - 1 else start for j in range(width)]
             valid += [j < b - 1 for j in range(width)]
             start += b
-        rows_t = torch.tensor(rows, device=dev)
-        logits = self.target.compute_logits(hidden[rows_t])
-        drafts = logits.argmax(dim=-1).view(len(block_lens), width)
+        drafts = self.draft(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev),
+                            meta, rows=torch.tensor(rows, device=dev))
+        drafts = drafts.view(len(block_lens), width)
         return drafts.masked_fill(~torch.tensor(valid, device=dev).view_as(drafts), -1)

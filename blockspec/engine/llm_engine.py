@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import itertools
-import operator
 import time
 
 import torch
@@ -11,17 +10,10 @@ import torch
 from blockspec.config import ConfigError, EngineConfig, ModelConfig
 from blockspec.dflash.metrics import SpecStats
 from blockspec.dflash.proposer import DFlashProposer, load_drafter
-from blockspec.engine.decode_step import graph_buckets, graphed_block_lens
+from blockspec.engine.admission import check_token_ids, resolve_max_tokens, tokenize
 from blockspec.engine.detokenizer import IncrementalDetokenizer, eos_token_ids, load_tokenizer
 from blockspec.engine.kv_cache import BlockManager
-from blockspec.engine.memory import (
-    context_staging_bytes,
-    decide_num_blocks,
-    graph_output_bytes,
-    kv_bytes_per_block,
-    prefill_graph_bytes,
-    profile_activation_bytes,
-)
+from blockspec.engine.memory import decide_num_blocks, kv_bytes_per_block, outside_kv_bytes
 from blockspec.engine.model_runner import ModelRunner
 from blockspec.engine.output_processor import OUTPUT_KINDS, EngineRequest, OutputProcessor
 from blockspec.engine.scheduler import Scheduler, SchedulerOutput
@@ -74,26 +66,8 @@ class LLMEngine:
         activation = 0
         if self.device.type == "cuda" and config.num_kv_blocks is None \
                 and config.kv_cache_memory_gb is None:
-            activation = profile_activation_bytes(
-                self.model, min(config.max_num_batched_tokens, self.max_model_len),
-                config.max_num_seqs * max(self.spec_block_size, 1), config.kv_block_size,
-                self.dtype)
-            adaptive = drafter is not None and config.speculation_policy == "adaptive"
-            if drafter is not None:
-                # NOTE: the runner's staging of plain steps' drafter context (allocated after the
-                # KV cache) stays outside the KV budget; a flush's transient peaks on its own.
-                kept, peak = context_staging_bytes(config, mc, drafter.config,
-                                                   adaptive and not config.enforce_eager,
-                                                   self.dtype)
-                activation = max(activation, peak) + kept
-            if not config.enforce_eager:
-                lens = graphed_block_lens(adaptive, self.spec_block_lens,
-                                          max(self.spec_block_size, 1))
-                if adaptive and config.use_lazy_draft_context:
-                    lens.append(1)  # the detached plain step's own graphs
-                activation += graph_output_bytes(lens, graph_buckets(config.max_num_seqs),
-                                                 mc.vocab_size, self.dtype) \
-                    + prefill_graph_bytes(config, mc.hidden_size, self.dtype)
+            activation = outside_kv_bytes(config, self.model, mc, drafter, self.max_model_len,
+                                          self.spec_block_size, self.spec_block_lens, self.dtype)
         num_blocks = decide_num_blocks(config, per_block, activation)
         self.block_manager = BlockManager(num_blocks, config.kv_block_size,
                                           config.enable_prefix_caching)
@@ -137,21 +111,7 @@ class LLMEngine:
 
     # -- requests -------------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ConfigError("prompt is empty")
-            return self.tokenizer.encode(prompt)
-        vocab = self.model_config.vocab_size
-        try:
-            ids = [operator.index(t) for t in prompt]
-        except TypeError:
-            raise ConfigError("a prompt must be a string or a list of token ids (integers in "
-                              f"[0, {vocab}))") from None
-        if not ids:
-            raise ConfigError("prompt is empty")
-        if any(isinstance(t, bool) or not 0 <= t < vocab for t in prompt):
-            raise ConfigError(f"prompt token ids must be integers in [0, {vocab})")
-        return ids
+        return tokenize(self.tokenizer, prompt, self.model_config.vocab_size)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None, stream: bool = True,
@@ -172,11 +132,9 @@ class LLMEngine:
         if request_id in self.requests:
             raise ConfigError(f"request id {request_id!r} is already in use")
         ids = self.tokenize(prompt)
-        if len(ids) >= self.max_model_len:
-            raise ConfigError(f"prompt has {len(ids)} tokens; the context length is "
-                              f"{self.max_model_len}, which leaves no room to generate")
-        max_tokens = self._max_tokens(len(ids), params)
-        self._check_token_ids(params)
+        max_tokens = resolve_max_tokens(len(ids), params, self.max_model_len,
+                                        self.cache_tokens())
+        check_token_ids(params, self.model_config.vocab_size)
         needed = self.block_manager.blocks_for(len(ids) + max_tokens + self.lookahead_slots())
         if needed > self.block_manager.num_blocks:
             raise ConfigError(
@@ -197,36 +155,13 @@ class LLMEngine:
         self.scheduler.add(seq)
         return request_id
 
-    def _max_tokens(self, num_prompt: int, params: SamplingParams) -> int:
-        """The request's max_tokens resolved against the context (None: what the context and the
-        KV cache can hold); more than the context leaves is refused, as vLLM does."""
-        room = self.max_model_len - num_prompt
-        if params.max_tokens is not None:
-            if params.max_tokens > room:
-                raise ConfigError(
-                    f"max_tokens must be at most {room} for this prompt: the context length is "
-                    f"{self.max_model_len} and the prompt has {num_prompt} tokens, got "
-                    f"{params.max_tokens}")
-            return params.max_tokens
-        if params.min_tokens > room:
-            raise ConfigError(f"min_tokens must be at most {room} for this prompt (the context "
-                              f"length is {self.max_model_len}), got {params.min_tokens}")
-        cache = self.block_manager.num_blocks * self.block_manager.block_size
-        room = min(room, cache - self.lookahead_slots() - num_prompt)
-        if room < 1:
-            raise ConfigError(f"prompt has {num_prompt} tokens; the KV cache holds {cache}, "
-                              "which leaves no room to generate")
-        return room
-
-    def _check_token_ids(self, params: SamplingParams) -> None:
-        vocab = self.model_config.vocab_size
-        if any(t >= vocab for t in params.stop_token_ids):
-            raise ConfigError(f"stop_token_ids must be token ids in [0, {vocab})")
-        if params.logit_bias and any(t >= vocab for t in params.logit_bias):
-            raise ConfigError(f"logit_bias must have token ids in [0, {vocab}) as keys")
-
     def lookahead_slots(self) -> int:
         return max(self.spec_block_size - 1, 0)
+
+    def cache_tokens(self) -> int:
+        """Tokens one request may hold in the KV cache (all of it, less the draft lookahead)."""
+        return self.block_manager.num_blocks * self.block_manager.block_size \
+            - self.lookahead_slots()
 
     def abort(self, request_id: str) -> RequestOutput | None:
         req = self.requests.get(request_id)

@@ -8,7 +8,7 @@ import torch
 from blockspec.config import ConfigError, EngineConfig, ModelConfig
 from blockspec.dflash.config import DFlashConfig
 from blockspec.engine.context_staging import staging_rows
-from blockspec.engine.decode_step import graph_buckets
+from blockspec.engine.decode_step import graph_buckets, graphed_block_lens
 from blockspec.engine.prefill_step import prefill_buckets
 from blockspec.layers.attention import AttentionMetadata, PagedAttention
 from blockspec.models.qwen3 import CausalLM
@@ -102,3 +102,28 @@ def context_staging_bytes(config: EngineConfig, target: ModelConfig, drafter: DF
     persistent = (rows + sum(buckets)) * width * elem
     transient = rows * 2 * (g.hidden_size + g.num_key_value_heads * g.head_dim) * elem
     return persistent, transient
+
+
+def outside_kv_bytes(config: EngineConfig, model: CausalLM, mc: ModelConfig,
+                     drafter: torch.nn.Module | None, max_model_len: int, spec_block_size: int,
+                     spec_block_lens: list[int], dtype: torch.dtype) -> int:
+    """What stays outside the KV budget besides the weights: the largest forward's activations
+    (profiled), the drafter context's staging, and the captured graphs' kept outputs."""
+    activation = profile_activation_bytes(
+        model, min(config.max_num_batched_tokens, max_model_len),
+        config.max_num_seqs * max(spec_block_size, 1), config.kv_block_size, dtype)
+    adaptive = drafter is not None and config.speculation_policy == "adaptive"
+    if drafter is not None:
+        # NOTE: the runner's staging of plain steps' drafter context (allocated after the KV
+        # cache) stays outside the KV budget; a flush's transient peaks on its own.
+        kept, peak = context_staging_bytes(config, mc, drafter.config,
+                                           adaptive and not config.enforce_eager, dtype)
+        activation = max(activation, peak) + kept
+    if not config.enforce_eager:
+        lens = graphed_block_lens(adaptive, spec_block_lens, max(spec_block_size, 1))
+        if adaptive and config.use_lazy_draft_context:
+            lens.append(1)  # the detached plain step's own graphs
+        activation += graph_output_bytes(lens, graph_buckets(config.max_num_seqs),
+                                         mc.vocab_size, dtype) \
+            + prefill_graph_bytes(config, mc.hidden_size, dtype)
+    return activation

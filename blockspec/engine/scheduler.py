@@ -90,6 +90,16 @@ class Scheduler:
             prefill = decode_prefill_budget(
                 self.decode_step_prefill_tokens,
                 sum(1 for s in self.running if s.num_tokens - s.num_computed_tokens == 1), budget)
+        budget, prefill = self._schedule_running(out, budget, prefill, budget_lookahead)
+        # NOTE: admit nothing new in a step that had to preempt: the cache is under pressure.
+        if not out.num_preempted:
+            self._admit_waiting(out, budget, prefill)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int, prefill: int,
+                          budget_lookahead: int) -> tuple[int, int]:
+        """Running sequences, oldest first, into `out` (preempting the newest when the cache is
+        full); returns the (step, prefill) budgets left."""
         bm, block_size = self.block_manager, self.block_manager.block_size
         decode_slots = 1 + self.num_lookahead_slots
         decode_cost = 1 + min(self.num_lookahead_slots, budget_lookahead)
@@ -113,13 +123,7 @@ class Scheduler:
             # NOTE: a decoding sequence needs a new block only every block_size tokens, so the
             # common case is needed <= 0 (no allocation call at all).
             needed = -(-(seq.num_computed_tokens + slots) // block_size) - len(seq.block_table)
-            while needed > len(bm.free_blocks):
-                victim = self.running[-1]
-                self._preempt(victim)
-                out.num_preempted += 1
-                if victim is seq:
-                    break
-            if seq.status != SequenceStatus.RUNNING:
+            if needed > len(bm.free_blocks) and not self._make_room(seq, needed, out):
                 break
             if needed > 0:
                 bm.allocate(seq, slots)
@@ -128,9 +132,22 @@ class Scheduler:
             budget -= cost
             prefill -= n if remaining != 1 else 0
             i += 1
+        return budget, prefill
 
-        # NOTE: admit nothing new in a step that had to preempt: the cache is under pressure.
-        while self.waiting and min(budget, prefill) > 0 and not out.num_preempted:
+    def _make_room(self, seq: Sequence, needed: int, out: SchedulerOutput) -> bool:
+        """Preempts the newest running sequences until `needed` blocks are free; False if
+        `seq` itself had to go."""
+        while needed > len(self.block_manager.free_blocks):
+            victim = self.running[-1]
+            self._preempt(victim)
+            out.num_preempted += 1
+            if victim is seq:
+                return False
+        return True
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, prefill: int) -> None:
+        """Waiting sequences, in order, take what the budgets leave as (chunked) prefills."""
+        while self.waiting and min(budget, prefill) > 0:
             if len(self.running) >= self.max_num_seqs:
                 break
             seq = self.waiting[0]
@@ -156,7 +173,6 @@ class Scheduler:
             out.num_new_tokens.append(n)
             budget -= slots
             prefill -= n
-        return out
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)

@@ -15,22 +15,19 @@ CUDA graph when the host passes a graph bucket's fixed values.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
 from blockspec.layers.attention import AttentionMetadata
+from blockspec.layers.attention_splits import (
+    SPLIT_MAX_QUERY_LEN,
+    choose_num_splits,
+    num_sms,
+    split_limits,
+)
 
 _LOG2E = 1.4426950408889634
-SPLIT_MAX_QUERY_LEN = 16  # split-KV only for decode / verify / drafter-sized queries
-# Keys per split below which a split's fixed cost (its partial output, the merge) outweighs the
-# parallelism it adds, and the most splits worth launching: a decode token's rows (<= 16) gain
-# up to 32 splits of >= 64 keys, a 16-token block's up to 16 of >= 128 (one H200, contexts
-# 640-8192: benchmarks/results/attention_splits_2026-11-30*.json).
-MIN_KEYS_PER_SPLIT_DECODE, MAX_SPLITS_DECODE = 64, 32
-MIN_KEYS_PER_SPLIT_BLOCK, MAX_SPLITS_BLOCK = 128, 16
 _DOT_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
@@ -204,33 +201,6 @@ def _merge_kernel(part_ptr, lse_ptr, out_ptr, cu_seqlens_q_ptr, seq_lens_ptr,
              out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@functools.cache
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132  # an H200's count: CPU (interpreter) runs then pick what the GPU would
-
-
-def split_limits(block_m: int) -> tuple[int, int]:
-    """(fewest keys per split, most splits) for programs of `block_m` query rows."""
-    if block_m <= 16:
-        return MIN_KEYS_PER_SPLIT_DECODE, MAX_SPLITS_DECODE
-    return MIN_KEYS_PER_SPLIT_BLOCK, MAX_SPLITS_BLOCK
-
-
-def choose_num_splits(num_programs: int, max_query_len: int, max_seq_len: int,
-                      num_sms: int, min_keys: int, max_splits: int) -> int:
-    """How many ways to split the key range at most: a pure function of shapes and metadata
-    ints, so a CUDA-graph bucket (fixed num_seqs / max_query_len / max_seq_len) always gets the
-    same one. NOTE: max_seq_len is the bucket's (max_model_len), not the context: the kernels
-    give each split >= `min_keys` keys of the real context, so a short one uses fewer."""
-    if max_query_len > SPLIT_MAX_QUERY_LEN or num_programs >= num_sms:
-        return 1
-    want = min(triton.cdiv(2 * num_sms, num_programs), max_seq_len // min_keys, max_splits)
-    # Powers of two keep the number of compiled kernel variants small.
-    return triton.next_power_of_2(want + 1) // 2 if want > 1 else 1
-
-
 class TritonAttentionBackend:
     name = "triton"
 
@@ -286,7 +256,7 @@ class TritonAttentionBackend:
         min_keys, max_splits = split_limits(block_m)
         min_keys = self.split_keys or min_keys
         splits = self.num_splits or choose_num_splits(num_programs, max_q, meta.max_seq_len,
-                                                       _num_sms(q.device), min_keys, max_splits)
+                                                       num_sms(q.device), min_keys, max_splits)
         d_pad = triton.next_power_of_2(max(head_dim, 16))
         # NOTE: 4 warps beat 8 on an H200 for decode, verify and 128-row prefill tiles alike.
         common = dict(GROUP=group, HEAD_DIM=head_dim, D_PAD=d_pad, BLOCK_Q=block_q,

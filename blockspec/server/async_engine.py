@@ -11,12 +11,10 @@ next step.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from blockspec.config import ConfigError
@@ -24,6 +22,7 @@ from blockspec.engine.llm_engine import LLMEngine
 from blockspec.engine.step_error import StepError
 from blockspec.outputs import RequestOutput
 from blockspec.sampling_params import SamplingParams
+from blockspec.server.engine_ops import Abort, Add, Call, Prompt, Stop, resolve
 from blockspec.server.engine_stats import EngineStats
 from blockspec.server.stream import (
     ACCEPTED,
@@ -34,30 +33,6 @@ from blockspec.server.stream import (
 
 logger = logging.getLogger("blockspec.server")
 T = TypeVar("T")
-Prompt = str | list[int]
-
-
-@dataclass
-class _Add:
-    prompt: Prompt
-    params: SamplingParams
-    stream: RequestStream
-
-
-@dataclass
-class _Abort:
-    request_id: str | None  # None: every request in flight
-
-
-@dataclass
-class _Call:
-    fn: Callable[[LLMEngine], Any]
-    loop: asyncio.AbstractEventLoop
-    future: asyncio.Future
-
-
-class _Stop:
-    pass
 
 
 class AsyncEngine:
@@ -93,7 +68,7 @@ class AsyncEngine:
         return self._thread is not None and self._thread.is_alive() and self.error is None
 
     def _abort_later(self, request_id: str) -> None:
-        self.submit(_Abort(request_id), strict=False)
+        self.submit(Abort(request_id), strict=False)
 
     def _refuse_then(self, op: Any) -> None:
         with self._lock:
@@ -115,7 +90,7 @@ class AsyncEngine:
         """Queues a request; returns once the engine has accepted it. Raises ConfigError for a
         bad request (the engine's validation: prompt length, KV capacity, token ids)."""
         stream = RequestStream(request_id, self._abort_later)
-        self.submit(_Add(prompt, params, stream))
+        self.submit(Add(prompt, params, stream))
         try:
             item = await stream.get()
         except asyncio.CancelledError:
@@ -137,16 +112,16 @@ class AsyncEngine:
         """Runs `fn(engine)` on the engine thread (tokenizer work that must not race it)."""
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[T] = loop.create_future()
-        self.submit(_Call(fn, loop, fut))
+        self.submit(Call(fn, loop, fut))
         return await fut
 
     def abort_all(self) -> None:
         """Stop accepting and abort everything in flight (start of a graceful shutdown)."""
-        self._refuse_then(_Abort(None))
+        self._refuse_then(Abort(None))
 
     async def shutdown(self, timeout: float = 30.0) -> None:
         """Stop accepting, abort what is in flight, join the engine thread."""
-        self._refuse_then(_Stop())
+        self._refuse_then(Stop())
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, timeout)
 
@@ -171,7 +146,7 @@ class AsyncEngine:
         stalled = busy and not eng.scheduler.running
         ops = self._take_ops(None if not busy else (1e-3 if stalled else 0.0))
         for op in ops:
-            if isinstance(op, _Stop):
+            if isinstance(op, Stop):
                 self._abort(None)
                 return False
             self._handle(op)
@@ -212,24 +187,23 @@ class AsyncEngine:
         return ops
 
     def _handle(self, op: Any) -> None:
-        if isinstance(op, _Add):
+        if isinstance(op, Add):
             self._add(op)
-        elif isinstance(op, _Abort):
+        elif isinstance(op, Abort):
             self._abort(op.request_id)
-        elif isinstance(op, _Call):
+        elif isinstance(op, Call):
             try:
                 result, exc = op.fn(self.engine), None
             except Exception as e:
                 result, exc = None, e
-            _resolve(op, result, exc)
+            resolve(op, result, exc)
 
-    def _add(self, op: _Add) -> None:
+    def _add(self, op: Add) -> None:
         rid = op.stream.request_id
         try:
-            params = op.params
-            if params.max_tokens is None:
-                params = dataclasses.replace(params, max_tokens=self._room(op.prompt))
-            self.engine.add_request(op.prompt, params, rid, stream=True)
+            # NOTE: max_tokens None ("up to the context") is the engine's to resolve: what the
+            # context and the KV cache hold (admission.resolve_max_tokens).
+            self.engine.add_request(op.prompt, op.params, rid, stream=True)
         except (ConfigError, ValueError, TypeError, OverflowError) as e:
             # NOTE: add_request validates before it mutates anything, so the engine is intact.
             op.stream.put(e if isinstance(e, ConfigError) else ConfigError(str(e)))
@@ -241,15 +215,6 @@ class AsyncEngine:
             return
         self._streams[rid] = op.stream
         op.stream.put(ACCEPTED)
-
-    def _room(self, prompt: Prompt) -> int:
-        """max_tokens=None means "up to the context"; the engine sizes that against
-        max_model_len only and would refuse every such request when the KV cache is smaller,
-        so cap it at what the cache can ever hold."""
-        eng, bm = self.engine, self.engine.block_manager
-        n = len(eng.tokenize(prompt))
-        cap = min(eng.max_model_len, bm.num_blocks * bm.block_size - eng.lookahead_slots())
-        return max(cap - n, 1)  # <= 0 left: add_request explains why it cannot fit
 
     def _abort(self, request_id: str | None) -> None:
         for rid in [request_id] if request_id is not None else list(self._streams):
@@ -295,24 +260,7 @@ class AsyncEngine:
         if self.error is None:
             self._publish()
         for op in self._take_ops(0.0):
-            if isinstance(op, _Add):
+            if isinstance(op, Add):
                 op.stream.put(EngineUnavailableError(reason))
-            elif isinstance(op, _Call):
-                _resolve(op, None, EngineUnavailableError(reason))
-
-
-def _resolve(op: _Call, result: Any, exc: BaseException | None) -> None:
-    """Engine thread: settle a call's future on its loop (if that loop still runs)."""
-    try:
-        op.loop.call_soon_threadsafe(_settle, op.future, result, exc)
-    except RuntimeError:
-        pass
-
-
-def _settle(fut: asyncio.Future, result: Any, exc: BaseException | None) -> None:
-    if fut.done():  # the caller was cancelled
-        return
-    if exc is not None:
-        fut.set_exception(exc)
-    else:
-        fut.set_result(result)
+            elif isinstance(op, Call):
+                resolve(op, None, EngineUnavailableError(reason))

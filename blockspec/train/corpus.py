@@ -43,26 +43,46 @@ class Doc:
     sha256: str
 
 
-def permissive_license(dist: metadata.Distribution) -> str | None:
-    """The distribution's licence if every part of it is permissive, else None."""
-    meta = dist.metadata
+def _classifier_license(meta: metadata.PackageMetadata) -> str | None:
+    """The OSI licence classifiers, joined, when all licence classifiers are OSI ones and one
+    of them is permissive; None otherwise (the other fields decide then)."""
     classifiers = [c for c in (meta.get_all("Classifier") or []) if c.startswith("License ::")]
     osi = [c for c in classifiers if "OSI Approved ::" in c]
-    if osi and len(osi) == len(classifiers):
-        # Several licence classifiers are alternatives (dual licensing): one permissive suffices.
-        if any(c.endswith(PERMISSIVE_CLASSIFIERS) or "(ISCL)" in c for c in osi):
-            return "; ".join(c.split(" :: ")[-1] for c in osi)
-    expr = (meta.get("License-Expression") or "").strip()
-    if expr:
-        # NOTE: every AND-term must offer at least one permissive alternative.
-        terms = re.split(r"\s+AND\s+", expr.replace("(", " ").replace(")", " ").strip())
-        ok = all(any(alt.strip().lower() in PERMISSIVE_SPDX
-                     for alt in re.split(r"\s+OR\s+|\s+WITH\s+", t)) for t in terms)
-        return expr if ok else None
+    if not osi or len(osi) != len(classifiers):
+        return None
+    # Several licence classifiers are alternatives (dual licensing): one permissive suffices.
+    if any(c.endswith(PERMISSIVE_CLASSIFIERS) or "(ISCL)" in c for c in osi):
+        return "; ".join(c.split(" :: ")[-1] for c in osi)
+    return None
+
+
+def _spdx_permissive(expr: str) -> bool:
+    """Whether an SPDX licence expression can be taken under permissive terms only."""
+    # NOTE: every AND-term must offer at least one permissive alternative.
+    terms = re.split(r"\s+AND\s+", expr.replace("(", " ").replace(")", " ").strip())
+    return all(any(alt.strip().lower() in PERMISSIVE_SPDX
+                   for alt in re.split(r"\s+OR\s+|\s+WITH\s+", t)) for t in terms)
+
+
+def _free_text_license(meta: metadata.PackageMetadata) -> str | None:
+    """A free-text `License:` field, only when it is a short, recognisable permissive name."""
     free = (meta.get("License") or "").strip()
     if free and "\n" not in free and _FREE_TEXT.match(free) and "gpl" not in free.lower():
         return free
     return None
+
+
+def permissive_license(dist: metadata.Distribution) -> str | None:
+    """The distribution's licence if every part of it is permissive, else None."""
+    meta = dist.metadata
+    from_classifiers = _classifier_license(meta)
+    if from_classifiers is not None:
+        return from_classifiers
+    expr = (meta.get("License-Expression") or "").strip()
+    if expr:
+        # A licence expression, when present, decides: the free text is not consulted.
+        return expr if _spdx_permissive(expr) else None
+    return _free_text_license(meta)
 
 
 def _read(path: Path) -> str | None:

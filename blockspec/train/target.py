@@ -120,6 +120,65 @@ def save_checkpoint(model, tokenizer, out: str | os.PathLike, summary: dict) -> 
     (out / "training.json").write_text(json.dumps(summary, indent=1) + "\n")
 
 
+def load_corpus_tokens(corpus: str | os.PathLike, tokenizer,
+                       seq_len: int) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """(train tokens, held-out tokens, seconds spent tokenizing); raises when the train split
+    cannot fill even one window of `seq_len`."""
+    t0 = time.perf_counter()
+    train_tokens = tokenize_split(Path(corpus) / "train.jsonl", tokenizer)
+    held_tokens = tokenize_split(Path(corpus) / "heldout.jsonl", tokenizer)
+    tokenize_s = time.perf_counter() - t0
+    if len(train_tokens) <= seq_len + 1:
+        raise ValueError(f"corpus has {len(train_tokens)} train tokens, need > {seq_len + 1}")
+    return train_tokens, held_tokens, tokenize_s
+
+
+def make_optimizer(model: torch.nn.Module, lr: float, weight_decay: float,
+                   fused: bool) -> torch.optim.AdamW:
+    """AdamW with weight decay on matrices only (norm gains and biases are left undecayed)."""
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}], lr=lr,
+                             betas=(0.9, 0.95), fused=fused)
+
+
+def load_train_state(state_path: Path, model: torch.nn.Module, opt: torch.optim.Optimizer,
+                     gen: torch.Generator) -> tuple[int, float]:
+    """Restores model, optimizer and batch generator from `--resume` state; (step, elapsed)."""
+    # NOTE: load on CPU: the generator state must stay a CPU tensor; the model and
+    # optimizer copy their tensors to the device themselves.
+    st = torch.load(state_path, map_location="cpu", weights_only=False)
+    model.load_state_dict(st["model"])
+    opt.load_state_dict(st["opt"])
+    gen.set_state(st["gen"])
+    return st["step"], st["elapsed"]
+
+
+def run_fraction(step: int, steps: int, elapsed: float, time_budget_s: float | None) -> float:
+    """How far along the run is: by steps, or by time when a budget is further along."""
+    frac = step / steps
+    if time_budget_s:
+        frac = max(frac, elapsed / time_budget_s)
+    return frac
+
+
+def optimizer_step(fwd, model: torch.nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
+                   y: torch.Tensor, clip: float, autocast: bool) -> torch.Tensor:
+    """One forward / backward / clipped AdamW update; returns the (graph-free) loss."""
+    loss = lm_loss(fwd, x, y, autocast)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    opt.step()
+    return loss.detach()
+
+
+def heldout_ppl(held: float) -> float | None:
+    """Perplexity of a held-out loss (capped at e^30); None when there is no loss (NaN)."""
+    return math.exp(min(held, 30)) if held == held else None
+
+
 def train(corpus: str, tokenizer_dir: str, out: str, *, preset: str = "demo", steps: int = 1000,
           batch_size: int = 32, seq_len: int = 1024, lr: float = 1.5e-3, warmup: float = 0.03,
           weight_decay: float = 0.1, clip: float = 1.0, eval_every: int = 200,
@@ -136,12 +195,7 @@ def train(corpus: str, tokenizer_dir: str, out: str, *, preset: str = "demo", st
     if autocast:
         torch.backends.cuda.matmul.allow_tf32 = True
     tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    t0 = time.perf_counter()
-    train_tokens = tokenize_split(Path(corpus) / "train.jsonl", tok)
-    held_tokens = tokenize_split(Path(corpus) / "heldout.jsonl", tok)
-    tokenize_s = time.perf_counter() - t0
-    if len(train_tokens) <= seq_len + 1:
-        raise ValueError(f"corpus has {len(train_tokens)} train tokens, need > {seq_len + 1}")
+    train_tokens, held_tokens, tokenize_s = load_corpus_tokens(corpus, tok, seq_len)
     if autocast:  # a few hundred MB at most: batches are then gathered on the GPU
         train_tokens, held_tokens = train_tokens.to(device), held_tokens.to(device)
     model = build_model(len(tok), preset, max(2048, seq_len), seed).to(device)
@@ -149,22 +203,12 @@ def train(corpus: str, tokenizer_dir: str, out: str, *, preset: str = "demo", st
     print(f"target: {preset} Qwen3, {n_params / 1e6:.2f}M params ({n_params * 2 / 1e6:.1f} MB "
           f"bf16), train {len(train_tokens) / 1e6:.2f}M tokens, heldout "
           f"{len(held_tokens) / 1e6:.3f}M, tokenized in {tokenize_s:.1f}s", flush=True)
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=lr,
-                            betas=(0.9, 0.95), fused=autocast)
+    opt = make_optimizer(model, lr, weight_decay, fused=autocast)
     gen = torch.Generator().manual_seed(seed)
     state_path = Path(str(out).rstrip("/") + ".state.pt")
     step, elapsed = 0, 0.0
     if resume and state_path.is_file():
-        # NOTE: load on CPU: the generator state must stay a CPU tensor; the model and
-        # optimizer copy their tensors to the device themselves.
-        st = torch.load(state_path, map_location="cpu", weights_only=False)
-        model.load_state_dict(st["model"])
-        opt.load_state_dict(st["opt"])
-        gen.set_state(st["gen"])
-        step, elapsed = st["step"], st["elapsed"]
+        step, elapsed = load_train_state(state_path, model, opt, gen)
         print(f"resumed at step {step}", flush=True)
     fwd = torch.compile(model) if compile else model
     model.train()
@@ -174,20 +218,14 @@ def train(corpus: str, tokenizer_dir: str, out: str, *, preset: str = "demo", st
     start = time.perf_counter() - elapsed
     while True:
         elapsed = time.perf_counter() - start
-        frac = step / steps
-        if time_budget_s:
-            frac = max(frac, elapsed / time_budget_s)
+        frac = run_fraction(step, steps, elapsed, time_budget_s)
         if frac >= 1.0:
             break
         for g in opt.param_groups:
             g["lr"] = lr_at(frac, lr, warmup)
         x, y = random_batch(train_tokens, batch_size, seq_len, gen)
-        loss = lm_loss(fwd, x.to(device, non_blocking=True), y.to(device, non_blocking=True),
-                       autocast)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
-        opt.step()
+        loss = optimizer_step(fwd, model, opt, x.to(device, non_blocking=True),
+                              y.to(device, non_blocking=True), clip, autocast)
         step += 1
         if step == 1 or step % 10 == 0:
             last_loss = loss.item()
@@ -197,9 +235,9 @@ def train(corpus: str, tokenizer_dir: str, out: str, *, preset: str = "demo", st
             held = evaluate(model, held_tokens, seq_len, batch_size, eval_windows, device,
                             autocast)
         bar.update(1)
+        ppl = heldout_ppl(held)
         bar.set_postfix(loss=f"{last_loss:.3f}", held=f"{held:.3f}",
-                        ppl=f"{math.exp(min(held, 30)):.1f}" if held == held else "-",
-                        refresh=False)
+                        ppl="-" if ppl is None else f"{ppl:.1f}", refresh=False)
     bar.close()
     held = evaluate(model, held_tokens, seq_len, batch_size, eval_windows, device, autocast)
     summary = {
@@ -207,7 +245,7 @@ def train(corpus: str, tokenizer_dir: str, out: str, *, preset: str = "demo", st
         "batch_size": batch_size, "seq_len": seq_len, "lr": lr, "tokens_seen": step *
         batch_size * seq_len, "train_tokens": len(train_tokens), "heldout_tokens":
         len(held_tokens), "first_loss": first_loss, "final_train_loss": last_loss,
-        "heldout_loss": held, "heldout_ppl": math.exp(min(held, 30)) if held == held else None,
+        "heldout_loss": held, "heldout_ppl": heldout_ppl(held),
         "train_seconds": round(elapsed, 1), "device": device,
     }
     save_checkpoint(model, tok, out, summary)
