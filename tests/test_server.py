@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -21,6 +22,7 @@ from blockspec.config import ConfigError, EngineConfig
 from blockspec.engine.llm_engine import LLMEngine
 from blockspec.server.api import build_app
 from blockspec.server.runner import BackgroundServer
+from blockspec.server.stream import RequestStream
 
 MODEL = "tiny-qwen3"
 CTX = 256
@@ -426,12 +428,32 @@ def test_stream_disconnect_aborts_and_frees_blocks(server, engine):
                                    '{finish_reason="abort"}') == aborted + 1)
 
 
-def test_nonstream_disconnect_aborts_and_frees_blocks(server, engine):
+def test_nonstream_disconnect_aborts_and_frees_blocks(server, engine, monkeypatch):
+    """The client hangs up while its request runs: the engine is held after every step until
+    the server has asked for the abort, so the request cannot finish first whatever the
+    machine's speed."""
     aborted = metric(server, "blockspec_requests_total", '{finish_reason="abort"}')
-    body = {"model": MODEL, "prompt": PROMPT, "max_tokens": CTX - 20, "ignore_eos": True,
-            "temperature": 0}
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(server.url + C, json=body, timeout=httpx.Timeout(30, read=0.3))
+    body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": CTX - 20,
+                       "ignore_eos": True, "temperature": 0}).encode()
+    asked, step, abort = threading.Event(), engine.step, RequestStream.abort
+
+    def held_step():
+        out = step()
+        asked.wait(30)
+        return out
+
+    def abort_asked(self):
+        abort(self)
+        asked.set()
+
+    monkeypatch.setattr(engine, "step", held_step)
+    monkeypatch.setattr(RequestStream, "abort", abort_asked)
+    host, port = server.url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(f"POST {C} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        assert wait_for(lambda: engine.block_manager.num_used_blocks > 0)
+    assert asked.wait(30)
     assert wait_for(lambda: idle(engine))
     assert wait_for(lambda: metric(server, "blockspec_requests_total",
                                    '{finish_reason="abort"}') == aborted + 1)

@@ -111,3 +111,21 @@ def test_more_chunks_than_lanes_run_the_mixed_step(qwen3_path, monkeypatch):
     assert [o.token_ids for o in llm.generate(prompts, params)] == \
         greedy_token_ids(qwen3_path, prompts, params)
     assert calls["mixed"] >= 1
+
+
+def test_prefix_cache_hits_and_n_samples_match(qwen3_path, drafter16):
+    """Chunks that start mid-prompt (prefix-cache hits) and n = 2 samples per request give the
+    same outputs through the split step as through the one-forward mixed step."""
+    shared = random_prompts([40], seed=21)[0]
+    prompts = [shared + tail for tail in random_prompts([3, 9, 17, 30, 5], seed=22)]
+    params = SamplingParams(n=2, temperature=0.8, seed=3, max_tokens=20, ignore_eos=True)
+    outs = []
+    for split in (True, False):
+        llm = cpu_llm(qwen3_path, drafter16, split_prefill=split, max_num_seqs=3,
+                      speculation_policy="fixed")
+        force_block_lens(llm, [4, 16, 1])
+        got = llm.generate(prompts, params)
+        assert sum(o.metrics.num_cached_tokens for o in got) > 0  # the later prompts hit
+        outs.append([[s.token_ids for s in o.samples or [o]] for o in got])
+        assert_no_leaks(llm)
+    assert outs[0] == outs[1]

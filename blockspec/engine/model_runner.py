@@ -33,6 +33,7 @@ from blockspec.engine.decode_step import (
     graph_buckets,
     graphed_block_lens,
 )
+from blockspec.engine.draft_context import DraftContext
 from blockspec.engine.kv_cache import BlockManager
 from blockspec.engine.lazy_context import LazyDraftContext
 from blockspec.engine.mixed_step import MixedStep
@@ -125,6 +126,7 @@ class ModelRunner:
         cfg, proposer = self.config, self.proposer
         self.staging: ContextStaging | None = None
         self.lazy: LazyDraftContext | None = None
+        self.context = DraftContext(None, None)
         if proposer is None:
             return
         width = len(proposer.target_layer_ids) * self.model_cfg.hidden_size
@@ -135,6 +137,7 @@ class ModelRunner:
             self.lazy = LazyDraftContext(self.model, proposer, self.bm, self.staging,
                                          self.trash_block, cfg.max_num_batched_tokens,
                                          self.max_model_len, cfg.max_num_seqs, self.device)
+        self.context = DraftContext(self.staging, self.lazy)
 
     def _capture_graphs(self, adaptive: bool) -> None:
         """Graphs for every block length the policy can choose (fixed: the max block only)."""
@@ -167,11 +170,9 @@ class ModelRunner:
         if self.controller is None:
             raise ConfigError("set_policy needs a draft model")
         self.controller.set_policy(mode, fixed_len)
-        if self.lazy is not None:
-            # NOTE: the new policy starts attached, as in a fresh engine, so a fixed block run
-            # after a detached stretch does not skip its prefills' drafter context and then pay
-            # a catch-up; a sequence left with a gap is caught up before it drafts (invariant).
-            self.lazy.detached, self.lazy.plain_streak = False, 0
+        # NOTE: the new policy starts attached, as in a fresh engine, so a fixed block run after
+        # a detached stretch does not skip its prefills' drafter context and then pay a catch-up.
+        self.context.reattach()
 
     def set_cost_model(self, cost_model: StepCostModel) -> None:
         """Replace the adaptive policy's step-cost model (tests, what-if runs); the policy then
@@ -204,8 +205,7 @@ class ModelRunner:
     def flush_context(self) -> None:
         """Write the drafter context K/V of every staged plain-step token now (the runner does
         this itself before the drafter runs; tests call it to inspect the drafter's cache)."""
-        if self.staging is not None:
-            self.staging.flush()
+        self.context.flush()
 
     @torch.inference_mode()
     def execute(self, seqs: list[Sequence], num_new_tokens: list[int],
@@ -221,9 +221,11 @@ class ModelRunner:
     def _execute(self, seqs: list[Sequence], num_new_tokens: list[int],
                  ctx: StepContext) -> StepResult:
         plan = self.planner.decide(seqs, num_new_tokens, ctx)
-        if plan.drafting:
-            self.flush_context()  # NOTE: the drafter runs: its context must be whole
-        self._before(seqs, plan)
+        caught_up = self.context.before_step(seqs, plan)
+        # NOTE: only all-decode steps time the policy's overhead term; a catch-up is priced by
+        # switch_cost, not there.
+        self.timed_step = (plan.num_decoding, plan.block_len) if plan.path == "decode" \
+            and self.controller is not None and not caught_up else None
         if plan.path == "decode":
             res = self._execute_decode(seqs, plan.block_len)
         elif plan.path == "split":
@@ -234,18 +236,11 @@ class ModelRunner:
         return res
 
     def _after(self, seqs: list[Sequence], plan: Plan, res: StepResult) -> None:
-        """The lazy context's counts, and the policy's acceptance statistics."""
-        L, n_dec = plan.block_len, plan.num_decoding
-        if self.lazy is not None and not self.lazy.detached:
-            # NOTE: an attached plain decode stages its rows (a drafter exists, so steps[1]
-            # defers its context): they count when flushed.
-            staged = L == 1 and plan.path != "mixed"
-            written = [(s, a) for s, a, d in zip(seqs, res.advance, plan.decoding)
-                       if not (staged and d)]
-            self.lazy.count_written([s for s, _ in written], [a for _, a in written])
-        res.block_len = L if n_dec else 0
-        if self.controller is not None and n_dec:
-            self.controller.observe(L, res.drafted, res.accepted)
+        """The drafter context's counts, and the policy's acceptance statistics."""
+        self.context.after_step(seqs, plan, res.advance)
+        res.block_len = plan.block_len if plan.num_decoding else 0
+        if self.controller is not None and plan.num_decoding:
+            self.controller.observe(plan.block_len, res.drafted, res.accepted)
 
     def _execute_mixed(self, seqs: list[Sequence], num_new_tokens: list[int],
                        decoding: list[bool], blens: list[int] | None) -> StepResult:
@@ -254,35 +249,18 @@ class ModelRunner:
             blens = [one if d else 0 for d in decoding]
         # NOTE: detached (lazy_draft_context): no drafter context now; caught up before the
         # drafter next runs for these sequences.
-        write = self.proposer is not None and not (self.lazy is not None and self.lazy.detached)
-        return self.mixed(seqs, num_new_tokens, blens, write, self.synthetic)
+        return self.mixed(seqs, num_new_tokens, blens, self.context.writes, self.synthetic)
 
     def _execute_split(self, seqs: list[Sequence], num_new_tokens: list[int],
                        decoding: list[bool], L: int) -> StepResult:
         """A mixed step as two replays: the prefill chunks' forward, then the decoding
         sequences' decode step at L (the tokens of both read at the decode step's sync)."""
         pre = [i for i, d in enumerate(decoding) if not d]
-        write = self.proposer is not None and not (self.lazy is not None and self.lazy.detached)
         finish = self.prefill.launch([seqs[i] for i in pre], [num_new_tokens[i] for i in pre],
-                                     write)
+                                     self.context.writes)
         dec = [s for s, d in zip(seqs, decoding) if d]
         decoded = self._execute_decode(dec, L) if dec else None
         return merge_results(seqs, decoding, decoded, finish())
-
-    def _before(self, seqs: list[Sequence], plan: Plan) -> None:
-        """Which steps time the policy's overhead term, and the lazy context's bookkeeping
-        (detach, catch up) before the step runs."""
-        decode, L = plan.path == "decode", plan.block_len
-        self.timed_step = (plan.num_decoding, L) \
-            if decode and self.controller is not None else None
-        lazy = self.lazy
-        if lazy is None:
-            return
-        catchups = lazy.num_catchups
-        lazy.before_step(seqs, plan.blens if plan.drafting else None, L, plan.num_decoding,
-                         decode and L == 1)
-        if lazy.num_catchups != catchups:
-            self.timed_step = None  # NOTE: a catch-up is priced by switch_cost, not here
 
     def observe_step_time(self, seconds: float) -> None:
         """The engine's wall time of the step just run (schedule to outputs), for the policy's
@@ -294,6 +272,6 @@ class ModelRunner:
     def _execute_decode(self, seqs: list[Sequence], q: int) -> StepResult:
         """All sequences decoding with a block of `q`: the fixed-shape (graphable) step."""
         step, graphs = self.steps[q], self.graphs_by_len.get(q)
-        if q == 1 and self.lazy is not None and self.lazy.detached:
-            step, graphs = self.lazy.step, self.lazy.graphs  # no drafter work at all
+        if q == 1:
+            step, graphs = self.context.plain_step(step, graphs)
         return self.decoder(seqs, step, graphs, self.synthetic, self.lazy is not None)

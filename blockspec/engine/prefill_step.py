@@ -150,11 +150,6 @@ class GraphedPrefillStep:
             self.graphs[t] = graph
         torch.cuda.synchronize()
 
-    def bucket_for(self, num_tokens: int, num_seqs: int) -> int | None:
-        if num_seqs > self.lanes:
-            return None
-        return next((t for t in self.buckets if t >= num_tokens), None)
-
     def replay(self, bucket: int) -> torch.Tensor:
         self.graphs[bucket].replay()
         return self.outputs[bucket]
