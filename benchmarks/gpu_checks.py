@@ -1,8 +1,9 @@
 """GPU correctness checks of the fast path (issue 4), before timing anything.
 
 1. Triton paged attention == torch reference on CUDA (bf16, Qwen3-8B heads, decode / verify /
-   prefill / non-causal drafter blocks, long contexts that take the split-KV path; also with
-   max_seq_len 40960 as a graph passes it: more splits than short contexts fill).
+   prefill / mixed / non-causal drafter blocks, long contexts that take the split-KV path; also
+   with max_seq_len 40960 as a graph passes it: more splits than short contexts fill); with the
+   (sequence, tile) grid and the flat grid.
 2. Fused kernels == their torch twins, the skinny-batch matmuls == F.linear, on CUDA.
 3. Tiny Qwen3 on CUDA, fp32: greedy with CUDA graphs == eager == HF `generate`; DFlash with graphs
    == autoregressive; batches that do not fill their graph bucket; requests finishing mid-batch;
@@ -44,8 +45,10 @@ def check_attention(report: dict) -> None:
     cases = {"decode": ([1] * 8, [37, 512, 1025, 3000, 16, 1, 700, 4096], True),
              "verify": ([16] * 6, [16, 530, 1100, 2048, 77, 4000], True),
              "prefill": ([300, 1, 64, 512], [300, 900, 64, 512], True),
-             "draft": ([16] * 5, [16, 600, 1200, 33, 2500], False)}
+             "draft": ([16] * 5, [16, 600, 1200, 33, 2500], False),
+             "mixed": ([16, 300, 1, 16, 37], [530, 900, 1025, 16, 37], True)}
     torch_b, triton_b = TorchAttentionBackend(), TritonAttentionBackend()
+    flat_b = TritonAttentionBackend(flat_grid=True)  # NOTE: an option, not yet a default
     perm = torch.randperm(nblocks, generator=torch.Generator().manual_seed(1)).tolist()
     for name, (qlens, slens, causal) in cases.items():
         tables, used = [], 0
@@ -60,10 +63,11 @@ def check_attention(report: dict) -> None:
         for tag, max_len in (("", meta.max_seq_len), ("_maxlen40960", 40960)):
             # NOTE: graphs pass max_model_len as max_seq_len: more splits than the contexts fill
             meta.max_seq_len = max_len
-            err = rel_err(triton_b.attend(q, kc, vc, meta, d**-0.5), ref)
-            report[f"attention_{name}{tag}_rel_err"] = err
-            print(f"triton attention {name}{tag}: rel err {err:.2e}")
-            assert err < 2e-2, name + tag
+            for grid, backend in (("", triton_b), ("_flat_grid", flat_b)):
+                err = rel_err(backend.attend(q, kc, vc, meta, d**-0.5), ref)
+                report[f"attention_{name}{tag}{grid}_rel_err"] = err
+                print(f"triton attention {name}{tag}{grid}: rel err {err:.2e}")
+                assert err < 2e-2, name + tag + grid
 
 
 def check_linear(report: dict) -> None:

@@ -272,3 +272,32 @@ def test_long_queries_share_one_tile_shape():
         names = [kernel.arg_names[i] if isinstance(i, int) else i
                  for i in kernel.do_not_specialize]
         assert "stride_bt" in names
+
+
+@needs_triton
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("splits", [None, 4])
+def test_flat_grid_matches_torch(causal, splits):
+    """The flat grid (every sequence's query tiles in turn) over a batch of one long query among
+    short ones, empty sequences, and tiles that start off a tile boundary."""
+    backend = TritonAttentionBackend(flat_grid=True, num_splits=splits, max_block_m=16)
+    q_lens, seq_lens = [1, 37, 0, 3, 16, 1, 0], [40, 90, 0, 3, 20, 64, 5]
+    check(backend, *make_case(q_lens, seq_lens, 4, 2, 32, causal=causal, seed=9))
+
+
+@needs_triton
+def test_flat_grid_ignores_padding_tokens_and_lanes():
+    """A graph bucket's padding: tokens past the last sequence and lanes with no query leave
+    the real rows as an exact launch computes them."""
+    q, k_cache, v_cache, meta = make_case([5, 2, 9], [30, 2, 44], 4, 2, 16, seed=10)
+    exact = TritonAttentionBackend(flat_grid=True).attend(q, k_cache, v_cache, meta, 0.3)
+    pad = 7
+    q_pad = torch.cat([q, torch.randn(pad, *q.shape[1:], dtype=q.dtype, device=q.device)])
+    cu = torch.cat([meta.cu_seqlens_q, meta.cu_seqlens_q[-1:].repeat(2)])
+    padded = AttentionMetadata(
+        slot_mapping=meta.slot_mapping, cu_seqlens_q=cu,
+        seq_lens=torch.cat([meta.seq_lens, meta.seq_lens.new_zeros(2)]),
+        block_tables=torch.cat([meta.block_tables, meta.block_tables[:2]]),
+        max_query_len=64, max_seq_len=4096)
+    out = TritonAttentionBackend(flat_grid=True).attend(q_pad, k_cache, v_cache, padded, 0.3)
+    torch.testing.assert_close(out[:q.shape[0]], exact, atol=2e-5, rtol=2e-5)

@@ -26,30 +26,31 @@ from blockspec.layers.attention_splits import (
     num_sms,
     split_limits,
 )
+from blockspec.layers.triton_kv_store import store_kv
 
 _LOG2E = 1.4426950408889634
 _DOT_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
 @triton.jit
-def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
-                     stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_cs, stride_ch,
-                     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                     BLOCK_SIZE: tl.constexpr, H_PAD: tl.constexpr, D_PAD: tl.constexpr):
-    t = tl.program_id(0)
-    slot = tl.load(slot_ptr + t).to(tl.int64)
-    # NOTE: slot -1 marks a token whose K/V must not be written (e.g. padding).
-    if slot < 0:
-        return
-    h = tl.arange(0, H_PAD)[:, None]
-    d = tl.arange(0, D_PAD)[None, :]
-    mask = (h < NUM_KV_HEADS) & (d < HEAD_DIM)
-    t64 = t.to(tl.int64)
-    dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + h * stride_ch + d
-    k = tl.load(k_ptr + t64 * stride_kt + h * stride_kh + d, mask=mask)
-    v = tl.load(v_ptr + t64 * stride_vt + h * stride_vh + d, mask=mask)
-    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+def _program_tile(cu_seqlens_q_ptr, num_seqs, BLOCK_Q: tl.constexpr, FLAT_GRID: tl.constexpr):
+    """(sequence, query tile) of this program. A flat grid walks every sequence's tiles in turn
+    on axis 0: sequence s starts at program cu[s] // BLOCK_Q + s (a start off a tile boundary
+    costs it at most one tile), so the grid is cdiv(tokens, BLOCK_Q) + num_seqs whatever the
+    longest query, and a binary search over the starts finds the sequence."""
+    pid = tl.program_id(0)
+    seq, q_tile = pid, tl.program_id(1)
+    if FLAT_GRID:
+        lo = pid * 0  # NOTE: invariant start(lo) <= pid < start(hi); start(0) = 0
+        hi = lo + num_seqs
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if tl.load(cu_seqlens_q_ptr + mid) // BLOCK_Q + mid <= pid:
+                lo = mid
+            else:
+                hi = mid
+        seq, q_tile = lo, pid - (tl.load(cu_seqlens_q_ptr + lo) // BLOCK_Q + lo)
+    return seq, q_tile
 
 
 @triton.jit
@@ -80,16 +81,17 @@ def _split_range(seq_len, q_len, q_tile, BLOCK_Q: tl.constexpr, BLOCK_N: tl.cons
 # NOTE: the block table's row stride is the batch's widest table in eager steps, so it changes
 # step to step; specialising on its value (== 1, divisible by 16) would compile new variants
 # mid-serving (~1 s each on an H200) for a scalar gather that gains nothing from them.
-@triton.jit(do_not_specialize=["stride_bt"])
+@triton.jit(do_not_specialize=["stride_bt", "num_seqs"])
 def _attn_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr,
-                 cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr, qk_scale,
+                 cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr, qk_scale, num_seqs,
                  stride_qt, stride_qh, stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
                  stride_cb, stride_cs, stride_ch, stride_bt,
                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
                  BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                 MIN_CHUNK: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    seq, q_tile = tl.program_id(0), tl.program_id(1)
+                 MIN_CHUNK: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 FLAT_GRID: tl.constexpr):
+    seq, q_tile = _program_tile(cu_seqlens_q_ptr, num_seqs, BLOCK_Q, FLAT_GRID)
     kv_head, split = tl.program_id(2) // NUM_SPLITS, tl.program_id(2) % NUM_SPLITS
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
@@ -155,15 +157,16 @@ def _attn_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr,
                  mask=row_ok)
 
 
-@triton.jit
-def _merge_kernel(part_ptr, lse_ptr, out_ptr, cu_seqlens_q_ptr, seq_lens_ptr,
+@triton.jit(do_not_specialize=["num_seqs"])
+def _merge_kernel(part_ptr, lse_ptr, out_ptr, cu_seqlens_q_ptr, seq_lens_ptr, num_seqs,
                   stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, stride_ot, stride_oh,
                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_BLOCK: tl.constexpr,
                   BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  CAUSAL: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr):
+                  CAUSAL: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr,
+                  FLAT_GRID: tl.constexpr):
     # NOTE: _attn_kernel's grid and row mapping, each (seq, tile, kv head) cut into D_BLOCK-wide
     # column slices for parallelism; it reads only the splits that got keys (_split_range).
-    seq, q_tile = tl.program_id(0), tl.program_id(1)
+    seq, q_tile = _program_tile(cu_seqlens_q_ptr, num_seqs, BLOCK_Q, FLAT_GRID)
     d_slices: tl.constexpr = (HEAD_DIM + D_BLOCK - 1) // D_BLOCK
     kv_head, d_slice = tl.program_id(2) // d_slices, tl.program_id(2) % d_slices
     q_start = tl.load(cu_seqlens_q_ptr + seq)
@@ -206,12 +209,15 @@ class TritonAttentionBackend:
 
     def __init__(self, max_block_m: int = 128, block_n: int = 64, num_splits: int | None = None,
                  num_warps: int | None = None, num_stages: int | None = None,
-                 split_keys: int | None = None) -> None:
+                 split_keys: int | None = None, flat_grid: bool = False) -> None:
         """Tuning knobs: `max_block_m` caps the query rows per program, `block_n` is the key
         tile; `num_splits`, `split_keys` (fewest keys per split), `num_warps` and `num_stages`
-        override the heuristics / defaults."""
+        override the heuristics / defaults. `flat_grid`: programs over every sequence's query
+        tiles in turn (cdiv(tokens, BLOCK_Q) + num_seqs of them) instead of num_seqs x the
+        longest query's tiles, for batches of one long query among many short ones."""
         self.max_block_m, self.block_n, self.num_splits = max_block_m, block_n, num_splits
         self.num_warps, self.num_stages, self.split_keys = num_warps, num_stages, split_keys
+        self.flat_grid = flat_grid
 
     def block_m(self, max_query_len: int, group: int) -> int:
         """Query rows per program. tl.dot needs M >= 16 and a whole GQA group fits in one tile.
@@ -225,16 +231,7 @@ class TritonAttentionBackend:
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-        num_tokens, num_kv_heads, head_dim = k.shape
-        if num_tokens == 0:
-            return
-        assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1
-        assert k.stride(2) == 1 and v.stride(2) == 1
-        _store_kv_kernel[(num_tokens,)](
-            k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0),
-            v.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
-            H_PAD=triton.next_power_of_2(num_kv_heads), D_PAD=triton.next_power_of_2(head_dim))
+        store_kv(k, v, k_cache, v_cache, slot_mapping)
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float) -> torch.Tensor:
@@ -251,8 +248,10 @@ class TritonAttentionBackend:
         group = num_heads // num_kv_heads
         block_m = self.block_m(max_q, group)
         block_q = block_m // group
-        num_q_tiles = triton.cdiv(max_q, block_q)
-        num_programs = num_seqs * num_q_tiles * num_kv_heads
+        # Axes 0 and 1 of the grid: (every sequence's tiles in turn, 1) or (sequence, tile).
+        tiles = (triton.cdiv(num_tokens, block_q) + num_seqs, 1) if self.flat_grid \
+            else (num_seqs, triton.cdiv(max_q, block_q))
+        num_programs = tiles[0] * tiles[1] * num_kv_heads
         min_keys, max_splits = split_limits(block_m)
         min_keys = self.split_keys or min_keys
         splits = self.num_splits or choose_num_splits(num_programs, max_q, meta.max_seq_len,
@@ -274,23 +273,23 @@ class TritonAttentionBackend:
             # NOTE: the interpreter's tl.dot multiplies bf16 as raw int16 bits (numpy has no
             # bf16), so interpreted runs do bf16 products in fp32.
             dot_dtype = tl.float32
-        grid = (num_seqs, num_q_tiles, num_kv_heads * splits)
-        _attn_kernel[grid](
+        _attn_kernel[(*tiles, num_kv_heads * splits)](
             q, k_cache, v_cache, dst, lse, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
-            scale * _LOG2E, q.stride(0), q.stride(1), *dst_strides, lse.stride(0), lse.stride(1),
+            scale * _LOG2E, num_seqs, q.stride(0), q.stride(1), *dst_strides, lse.stride(0),
+            lse.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
             BLOCK_SIZE=block_size, BLOCK_N=self.block_n, CAUSAL=meta.causal, NUM_SPLITS=splits,
             MIN_CHUNK=min_keys if splits > 1 else 0, DOT_DTYPE=dot_dtype,
-            DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
+            DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32", FLAT_GRID=self.flat_grid,
             **({"num_stages": self.num_stages} if self.num_stages else {}), **common)
         if splits > 1:
             # NOTE: a block's rows (64) merge in 32-column slices for more programs; a decode
             # token's few rows whole (slicing them measured slower).
             d_block = d_pad if block_m <= 16 else min(d_pad, 32)
-            _merge_kernel[(num_seqs, num_q_tiles, num_kv_heads * triton.cdiv(head_dim, d_block))](
-                part, lse, out, meta.cu_seqlens_q, meta.seq_lens, *part.stride()[:3],
+            _merge_kernel[(*tiles, num_kv_heads * triton.cdiv(head_dim, d_block))](
+                part, lse, out, meta.cu_seqlens_q, meta.seq_lens, num_seqs, *part.stride()[:3],
                 lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), GROUP=group,
                 HEAD_DIM=head_dim, D_BLOCK=d_block, BLOCK_Q=block_q, BLOCK_M=block_m,
                 BLOCK_N=self.block_n, CAUSAL=meta.causal, NUM_SPLITS=splits, MIN_CHUNK=min_keys,
-                num_warps=self.num_warps or 4)
+                FLAT_GRID=self.flat_grid, num_warps=self.num_warps or 4)
         return out
