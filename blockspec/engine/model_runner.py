@@ -18,6 +18,7 @@ context altogether and it is caught up before the drafter next runs (see `lazy_c
 from __future__ import annotations
 
 import time
+from collections import Counter
 
 import torch
 
@@ -102,6 +103,7 @@ class ModelRunner:
             self._capture_graphs(adaptive)
         self.graphs = self.graphs_by_len.get(self.max_block)  # compat: the max block's graphs
         self.timings = StepTimings()  # the runner's parts; the engine adds its own and steps
+        self.path_steps: Counter[str] = Counter()  # steps by Plan.path (/metrics)
         # (decoding sequences, block length) of the last step if it was an all-decode step
         # without a catch-up: the engine reports its wall time (observe_step_time).
         self.timed_step: tuple[int, int] | None = None
@@ -221,6 +223,7 @@ class ModelRunner:
     def _execute(self, seqs: list[Sequence], num_new_tokens: list[int],
                  ctx: StepContext) -> StepResult:
         plan = self.planner.decide(seqs, num_new_tokens, ctx)
+        self.path_steps[plan.path] += 1
         caught_up = self.context.before_step(seqs, plan)
         # NOTE: only all-decode steps time the policy's overhead term; a catch-up is priced by
         # switch_cost, not there.

@@ -24,6 +24,7 @@ class EngineStats:
     spec_accepted_per_position: tuple[int, ...] = ()
     spec_block_len_steps: tuple[tuple[int, int], ...] = ()  # (block length, engine steps)
     num_step_failures: int = 0  # engine steps that raised (their requests failed, see _iterate)
+    steps_by_path: tuple[tuple[str, int], ...] = ()  # (Plan.path, engine steps)
     num_prompt_tokens: int = 0  # prompt tokens prefilled (prefix-cache hits left out), in all
     num_generation_tokens: int = 0  # tokens generated, in all
 
@@ -42,5 +43,6 @@ class EngineStats:
             spec_accepted_per_position=tuple(spec.accepted_per_position),
             spec_block_len_steps=tuple(sorted(spec.block_len_steps.items())),
             num_step_failures=num_step_failures,
+            steps_by_path=tuple(sorted(eng.runner.path_steps.items())),
             num_prompt_tokens=eng.outputs.num_prompt_tokens,
             num_generation_tokens=eng.outputs.num_generation_tokens)

@@ -43,6 +43,13 @@ class _EngineCollector(Collector):
         yield CounterMetricFamily("blockspec_engine_step_failures",
                                   "Engine steps that raised (the requests in them failed)",
                                   value=s.num_step_failures)
+        fam = CounterMetricFamily("blockspec_engine_steps",
+                                  "Engine steps by how they ran: decode (every sequence decodes), "
+                                  "split (prefill forward + decode step), mixed (one eager "
+                                  "forward)", labels=["path"])
+        for path, steps in s.steps_by_path:
+            fam.add_metric([path], steps)
+        yield fam
         # NOTE: mean acceptance length = (accepted + verify_steps) / verify_steps.
         yield CounterMetricFamily("blockspec_spec_decode_draft_tokens",
                                   "Draft tokens proposed by the DFlash drafter",
