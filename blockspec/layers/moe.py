@@ -1,0 +1,46 @@
+"""Mixture-of-experts pieces of DeepSeek-V3 / Kimi-K2 targets, in plain PyTorch: the router
+(`noaux_tc`: sigmoid scores, a correction bias for selection only, group-limited top-k) and the
+routed experts' reference forward (the CPU path and the reference for a fused kernel)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def select_experts(router_logits: torch.Tensor, correction_bias: torch.Tensor | None,
+                   top_k: int, n_group: int, topk_group: int, norm_topk_prob: bool,
+                   routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits [T, E] -> (weights [T, top_k] fp32, expert ids [T, top_k] int64).
+
+    Experts are picked by sigmoid score + correction bias, among the `topk_group` groups (of
+    E / n_group experts) whose two best biased scores sum highest; each pick is weighted by its
+    unbiased score, renormalised over the picks when `norm_topk_prob`, times
+    `routed_scaling_factor`."""
+    scores = router_logits.float().sigmoid()
+    biased = scores if correction_bias is None else scores + correction_bias.float()
+    t, e = biased.shape
+    if n_group > 1:
+        groups = biased.view(t, n_group, e // n_group)
+        group_scores = groups.topk(min(2, e // n_group), dim=-1).values.sum(dim=-1)
+        keep = torch.zeros_like(group_scores, dtype=torch.bool)
+        keep.scatter_(1, group_scores.topk(topk_group, dim=-1).indices, True)
+        biased = biased.masked_fill(~keep.repeat_interleave(e // n_group, dim=1), float("-inf"))
+    ids = biased.topk(top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * routed_scaling_factor, ids
+
+
+def experts_reference(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                      gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]), each expert a SiLU-gated MLP:
+    gate_up [E, 2I, H] (gate rows first), down [E, H, I]. x [T, H] -> [T, H]."""
+    out = torch.zeros_like(x, dtype=torch.float32)
+    for expert in ids.unique().tolist():
+        rows, slot = (ids == expert).nonzero(as_tuple=True)
+        gate, up = F.linear(x[rows], gate_up[expert]).chunk(2, dim=-1)
+        y = F.linear(F.silu(gate) * up, down[expert])
+        out.index_add_(0, rows, (y * weights[rows, slot, None]).float())
+    return out.to(x.dtype)

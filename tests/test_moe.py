@@ -1,0 +1,56 @@
+"""DeepSeek-V3 MoE pieces (issue 21's first slice) against HF transformers' own modules on the
+same random weights: the noaux_tc router's picks and weights, and the routed experts' output."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from blockspec.layers.moe import experts_reference, select_experts
+
+mod = pytest.importorskip("transformers.models.deepseek_v3.modeling_deepseek_v3")
+if not hasattr(mod, "DeepseekV3Experts"):  # NOTE: transformers < 5 keeps one module per expert
+    pytest.skip("needs transformers 5's DeepseekV3Experts", allow_module_level=True)
+
+
+def hf_config(**kw):
+    from transformers import DeepseekV3Config
+
+    base = dict(vocab_size=64, hidden_size=32, moe_intermediate_size=16, n_routed_experts=16,
+                num_experts_per_tok=4, n_group=4, topk_group=2, norm_topk_prob=True,
+                routed_scaling_factor=2.5, hidden_act="silu")
+    return DeepseekV3Config(**{**base, **kw})
+
+
+@pytest.mark.parametrize("groups", [(4, 2), (1, 1), (8, 3)],
+                         ids=["n_group4", "ungrouped", "n_group8"])
+@pytest.mark.parametrize("norm", [True, False])
+def test_router_matches_hf(groups, norm):
+    cfg = hf_config(n_group=groups[0], topk_group=groups[1], norm_topk_prob=norm)
+    router = mod.DeepseekV3TopkRouter(cfg)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(router.weight.shape, generator=gen))
+        router.e_score_correction_bias.copy_(0.3 * torch.randn(16, generator=gen))
+    x = torch.randn(40, 32, generator=gen)
+    logits, hf_w, hf_ids = router(x)
+    w, ids = select_experts(logits, router.e_score_correction_bias, 4, *groups, norm, 2.5)
+    order, hf_order = ids.argsort(dim=-1), hf_ids.argsort(dim=-1)
+    assert torch.equal(ids.gather(1, order), hf_ids.gather(1, hf_order))
+    torch.testing.assert_close(w.gather(1, order), hf_w.gather(1, hf_order))
+
+
+def test_experts_match_hf():
+    cfg = hf_config()
+    experts = mod.DeepseekV3Experts(cfg)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        experts.gate_up_proj.copy_(torch.randn(experts.gate_up_proj.shape, generator=gen) / 5)
+        experts.down_proj.copy_(torch.randn(experts.down_proj.shape, generator=gen) / 4)
+    x = torch.randn(30, 32, generator=gen)
+    ids = torch.stack([torch.randperm(16, generator=gen)[:4] for _ in range(30)])
+    w = torch.rand(30, 4, generator=gen)
+    with torch.no_grad():
+        ref = experts(x, ids, w)
+    got = experts_reference(x, w, ids, experts.gate_up_proj.detach(), experts.down_proj.detach())
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
