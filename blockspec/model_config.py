@@ -65,12 +65,21 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int | None = None
+    # YaRN: the ramp's bounds in rotations over the original context, the attention factor
+    # (None: from factor and mscale / mscale_all_dim), whether the ramp's ends are whole dims.
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
 
     def __post_init__(self) -> None:
-        if self.rope_type not in ("default", "linear", "llama3"):
-            raise ConfigError(
-                f"unsupported rope_type {self.rope_type!r} (supported: default, linear, llama3)"
-            )
+        if self.rope_type not in ("default", "linear", "llama3", "yarn"):
+            raise ConfigError(f"unsupported rope_type {self.rope_type!r} (supported: default, "
+                              "linear, llama3, yarn)")
+        if self.rope_type == "yarn" and not self.original_max_position_embeddings:
+            raise ConfigError("yarn rope scaling needs original_max_position_embeddings")
         if self.theta <= 0 or self.factor <= 0:
             raise ConfigError("rope_theta and rope factor must be positive")
 
@@ -79,13 +88,25 @@ class RopeConfig:
         params = dict(raw.get("rope_parameters") or raw.get("rope_scaling") or {})
         theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
         rope_type = params.get("rope_type", params.get("type", "default")) or "default"
+        original = params.get("original_max_position_embeddings")
+        factor = params.get("factor")
+        if factor is None and rope_type == "yarn" and original:
+            # NOTE: DeepSeek-V3 configs may leave it out: the context's own ratio, as in HF.
+            factor = raw.get("max_position_embeddings", original) / original
+
+        def opt(key: str) -> float | None:
+            return None if params.get(key) is None else float(params[key])
+
         return cls(
-            theta=float(theta),
-            rope_type=rope_type,
-            factor=float(params.get("factor", 1.0)),
+            theta=float(theta), rope_type=rope_type,
+            factor=float(1.0 if factor is None else factor),
             low_freq_factor=float(params.get("low_freq_factor", 1.0)),
             high_freq_factor=float(params.get("high_freq_factor", 4.0)),
-            original_max_position_embeddings=params.get("original_max_position_embeddings"),
+            original_max_position_embeddings=original,
+            beta_fast=float(params.get("beta_fast") or 32.0),
+            beta_slow=float(params.get("beta_slow") or 1.0),
+            mscale=opt("mscale"), mscale_all_dim=opt("mscale_all_dim"),
+            attention_factor=opt("attention_factor"), truncate=bool(params.get("truncate", True)),
         )
 
 

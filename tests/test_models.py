@@ -314,3 +314,41 @@ def test_unexpected_tensor(qwen3_path, tmp_path):
     with pytest.raises(ConfigError, match="unexpected weight"):
         load_edited(qwen3_path, tmp_path / "m", lambda w: w.update(
             {"model.layers.9.mlp.up_proj.weight": torch.zeros(128, 64)}))
+
+
+# -- YaRN rope -------------------------------------------------------------------------------------
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+        "rope_theta": 10000.0}
+
+
+def test_yarn_frequencies_and_factor_match_hf():
+    """inv_freq and the cos/sin factor against HF's own YaRN init, with DeepSeek's mscale pair,
+    other ramp bounds, an explicit attention factor and untruncated ramps."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from blockspec.layers.rotary import rope_attention_factor, rope_inv_freq
+
+    cases = [dict(YARN), {**YARN, "mscale": 0.707, "mscale_all_dim": 0.707},
+             {**YARN, "mscale": 1.0, "mscale_all_dim": 0.8, "beta_fast": 16, "beta_slow": 2},
+             {**YARN, "attention_factor": 1.3, "truncate": False}]
+    for params in cases:
+        raw = dict(hidden_size=64, num_attention_heads=4, head_dim=16,
+                   max_position_embeddings=512, rope_parameters=dict(params))
+        hf_inv, hf_factor = ROPE_INIT_FUNCTIONS["yarn"](LlamaConfig(**raw), "cpu")
+        rope = RopeConfig.from_hf(raw)
+        torch.testing.assert_close(rope_inv_freq(16, rope), hf_inv.float(), rtol=1e-6, atol=0)
+        assert rope_attention_factor(rope) == pytest.approx(hf_factor, rel=1e-9), params
+
+
+def test_yarn_prefill_logits_match_hf(models_root, hf_model):
+    from blockspec.tiny import build_tiny_model
+
+    path = build_tiny_model(models_root / "qwen3-yarn", rope_scaling=YARN, seed=5)
+    ids = tokens(300)
+    logits, _ = prefill(ours(path), ids)
+    torch.testing.assert_close(logits, hf_logits(hf_model(path), ids), **TOL)
+    cfg = ModelConfig.from_pretrained(path)
+    assert cfg.rope.rope_type == "yarn" and cfg.rope.factor == 4.0
+    plain = ours(path, replace(cfg, rope=RopeConfig(theta=cfg.rope.theta)))
+    assert not torch.allclose(prefill(plain, ids)[0], logits, atol=1e-2)  # YaRN matters here

@@ -1,4 +1,5 @@
-"""Rotary position embeddings (rotate-half layout, HF convention) with Llama-3 / linear scaling."""
+"""Rotary position embeddings (rotate-half layout, HF convention) with Llama-3, linear and YaRN
+scaling."""
 
 from __future__ import annotations
 
@@ -28,7 +29,43 @@ def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
         medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
         return torch.where(medium, smoothed, scaled)
+    if rope.rope_type == "yarn":
+        return _yarn_inv_freq(head_dim, rope, inv_freq)
     return inv_freq
+
+
+def yarn_mscale(scale: float, m: float = 1.0) -> float:
+    """YaRN's attention temperature for a context stretched `scale` times."""
+    return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+
+def rope_attention_factor(rope: RopeConfig) -> float:
+    """The factor YaRN scales cos/sin by (1 for the other rope types)."""
+    if rope.rope_type != "yarn":
+        return 1.0
+    if rope.attention_factor is not None:
+        return rope.attention_factor
+    if rope.mscale and rope.mscale_all_dim:
+        return yarn_mscale(rope.factor, rope.mscale) / yarn_mscale(rope.factor, rope.mscale_all_dim)
+    return yarn_mscale(rope.factor)
+
+
+def _yarn_inv_freq(head_dim: int, rope: RopeConfig, inv_freq: torch.Tensor) -> torch.Tensor:
+    """Dimensions turning more than `beta_fast` times over the original context keep their
+    frequency, those turning fewer than `beta_slow` times are interpolated (divided by the
+    factor), with a linear ramp between."""
+    old_len = rope.original_max_position_embeddings
+
+    def dim_of(rotations: float) -> float:  # the dimension that turns `rotations` times
+        return head_dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(rope.theta))
+
+    low, high = dim_of(rope.beta_fast), dim_of(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    high = high + 0.001 if high == low else high
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    return inv_freq / rope.factor * ramp + inv_freq * (1 - ramp)
 
 
 class RotaryEmbedding(nn.Module):
@@ -38,9 +75,11 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         inv_freq = rope_inv_freq(head_dim, rope)
         freqs = torch.arange(max_position, dtype=torch.float32)[:, None] * inv_freq[None, :]
-        # NOTE: fp32 table; cast to the activation dtype at use, as HF does.
-        self.register_buffer("cos_cache", freqs.cos(), persistent=False)
-        self.register_buffer("sin_cache", freqs.sin(), persistent=False)
+        scale = rope_attention_factor(rope)
+        # NOTE: fp32 table; cast to the activation dtype at use, as HF does. YaRN's attention
+        # factor is folded in, so the fused rope kernels read it with the table.
+        self.register_buffer("cos_cache", freqs.cos() * scale, persistent=False)
+        self.register_buffer("sin_cache", freqs.sin() * scale, persistent=False)
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
