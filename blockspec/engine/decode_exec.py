@@ -13,6 +13,7 @@ import torch
 from blockspec.dflash.verify import accepted_counts
 from blockspec.engine.context_staging import ContextStaging
 from blockspec.engine.decode_step import DecodeStep, GraphedDecodeStep, StepBuffers, StepOutputs
+from blockspec.engine.kv_cache import padded_block_tables
 from blockspec.engine.row_sampling import SampleRows, plain_greedy, row_logprobs, sample_rows
 from blockspec.engine.sequence import Sequence
 from blockspec.engine.step_result import Logprobs, StepResult
@@ -22,9 +23,7 @@ def fill_buffers(bufs: StepBuffers, seqs: list[Sequence], trash_block: int
                  ) -> tuple[np.ndarray, np.ndarray]:
     """The step's inputs into the static buffers; returns (block tables, context lengths)."""
     n = len(seqs)
-    tables = np.full((n, bufs.block_tables.shape[1]), trash_block, dtype=np.int32)
-    for i, seq in enumerate(seqs):
-        tables[i, :len(seq.block_table)] = seq.block_table
+    tables = padded_block_tables(seqs, n, bufs.block_tables.shape[1], trash_block)
     bufs.last_tokens[:n].copy_(
         torch.tensor([(s.output_token_ids or s.prompt_token_ids)[-1] for s in seqs]),
         non_blocking=True)

@@ -14,7 +14,7 @@ from blockspec.layers.attention import AttentionMetadata
 
 @dataclass
 class FlatBatch:
-    """Host lists of one step; `to_device` makes the tensors the forward reads.
+    """Host lists of one step; `tensors` makes the tensors the forward reads.
 
     A sequence with a block (blens[i] >= 1) feeds its last committed token and the drafts after
     it (`draft_dst` <- `draft_src` fills them once the drafter ran); every other sequence feeds

@@ -19,6 +19,15 @@ class NoFreeBlocksError(RuntimeError):
     pass
 
 
+def padded_block_tables(seqs: list[Sequence], rows: int, width: int, pad: int) -> np.ndarray:
+    """[rows, width] int32 block tables of `seqs` (then empty rows), padded with block `pad`:
+    what a step's static buffers hold, so padded entries point at a real (trash) block."""
+    tables = np.full((rows, width), pad, dtype=np.int32)
+    for i, seq in enumerate(seqs):
+        tables[i, :len(seq.block_table)] = seq.block_table
+    return tables
+
+
 def hash_block(parent: int | None, tokens: tuple[int, ...]) -> int:
     return hash((parent, tokens))
 

@@ -10,6 +10,7 @@ import torch
 
 from blockspec.config import EngineConfig
 from blockspec.dflash.proposer import DFlashProposer
+from blockspec.engine.flat_batch import FlatBatch
 from blockspec.engine.kv_cache import BlockManager
 from blockspec.engine.prefill_step import (
     PREFILL_GRAPH_SEQS,
@@ -37,9 +38,16 @@ class PrefillExecutor:
         self.lanes = bufs.seq_lens.shape[0] - 1
 
     def capture(self, pool: tuple, stream: torch.cuda.Stream) -> None:
-        self.bufs.fill([], [], self.bm, self.trash_block, write_context=False)
+        self._fill([], [], write_context=False)
         self.graphs = GraphedPrefillStep(self.step, self.bufs, self.buckets)
         self.graphs.capture(pool, stream)
+
+    def _fill(self, seqs: list[Sequence], num_new_tokens: list[int],
+              write_context: bool) -> tuple[FlatBatch, int]:
+        """The chunks as one flat batch (the eager step's builder), into the buffers."""
+        batch = FlatBatch.build(seqs, num_new_tokens, [0] * len(seqs), 1, self.bm)
+        trash_slot = self.trash_block * self.bm.block_size
+        return batch, self.bufs.fill(batch, seqs, trash_slot, self.trash_block, write_context)
 
     def fits(self, num_new_tokens: list[int]) -> bool:
         """Whether these chunks fit one bucket and the lanes."""
@@ -49,18 +57,15 @@ class PrefillExecutor:
                write_context: bool) -> Callable[[], StepResult]:
         """Enqueues the chunks' forward and their first tokens' sampling; the returned call
         reads the tokens (a host sync: call it after the step's other work is enqueued)."""
-        t = self.bufs.fill(seqs, num_new_tokens, self.bm, self.trash_block, write_context)
+        batch, t = self._fill(seqs, num_new_tokens, write_context)
         if self.graphs is not None:
             hidden = self.graphs.replay(next(b for b in self.buckets if b >= t))
         else:
             hidden = self.step(self.bufs, t, len(seqs))
-        done = [i for i, (s, n) in enumerate(zip(seqs, num_new_tokens))
-                if s.num_computed_tokens + n == s.num_tokens]
-        sampled = [seqs[i] for i in done]
-        ends = [sum(num_new_tokens[:i + 1]) - 1 for i in done]
+        sampled = batch.last_seqs  # NOTE: the sequences whose chunk ends their prompt
         tokens = logits = None
         if sampled:
-            rows = torch.tensor(ends, device=hidden.device)
+            rows = torch.tensor(batch.last_rows, device=hidden.device)
             logits = self.step.model.compute_logits(hidden[rows]).float()
             tokens = sample_rows(logits, SampleRows(sampled, [0] * len(sampled)),
                                  self.vocab_size)

@@ -15,13 +15,14 @@ so a bucket's graph serves any mix of chunk lengths.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from blockspec.dflash.proposer import DFlashProposer
-from blockspec.engine.kv_cache import BlockManager
+from blockspec.engine.flat_batch import FlatBatch
+from blockspec.engine.kv_cache import padded_block_tables
 from blockspec.engine.sequence import Sequence
 from blockspec.layers.attention import AttentionMetadata
 from blockspec.models.qwen3 import CausalLM
@@ -65,33 +66,21 @@ class PrefillBuffers:
                    zeros(max_seqs + 1, dtype=torch.int32), zeros(max_seqs, dtype=torch.int32),
                    zeros(max_seqs, max_blocks, dtype=torch.int32))
 
-    def fill(self, seqs: list[Sequence], num_new_tokens: list[int], bm: BlockManager,
-             trash_block: int, write_context: bool) -> int:
-        """Writes the chunks of `seqs` (every row of the buffers: padding included); returns
-        the number of tokens."""
-        ids, pos, slots, cu, lens = [], [], [], [0], []
-        for seq, n in zip(seqs, num_new_tokens):
-            start = seq.num_computed_tokens
-            ids += (seq.token_at(p) for p in range(start, start + n))
-            pos += range(start, start + n)
-            slots += (bm.slot(seq, p) for p in range(start, start + n))
-            cu.append(cu[-1] + n)
-            lens.append(start + n)
-        t, s = len(ids), len(seqs)
-        size, lanes = self.input_ids.shape[0], self.seq_lens.shape[0]
-        trash = trash_block * bm.block_size
-        ids += [0] * (size - t)
-        pos += [0] * (size - t)
-        slots += [trash] * (size - t)
-        tables = np.full(tuple(self.block_tables.shape), trash_block, dtype=np.int32)
-        for i, seq in enumerate(seqs):
-            tables[i, :len(seq.block_table)] = seq.block_table
-        self._copy(self.input_ids, ids)
-        self._copy(self.positions, pos)
+    def fill(self, batch: FlatBatch, seqs: list[Sequence], trash_slot: int, trash_block: int,
+             write_context: bool) -> int:
+        """Writes the prefill chunks of `batch` (built for `seqs`) into every row of the
+        buffers, padding included; returns the number of tokens."""
+        t, s = len(batch.input_ids), len(seqs)
+        pad, lanes = self.input_ids.shape[0] - t, self.seq_lens.shape[0]
+        slots = batch.slot_mapping + [trash_slot] * pad
+        self._copy(self.input_ids, batch.input_ids + [0] * pad)
+        self._copy(self.positions, batch.positions + [0] * pad)
         self._copy(self.slot_mapping, slots)
-        self._copy(self.context_slots, slots if write_context else [trash] * size)
-        self._copy(self.cu_seqlens_q, cu + [t] * (lanes - s))
-        self._copy(self.seq_lens, lens + [0] * (lanes - s))
+        self._copy(self.context_slots, slots if write_context else [trash_slot] * (t + pad))
+        self._copy(self.cu_seqlens_q, [0, *itertools.accumulate(batch.query_lens)]
+                   + [t] * (lanes - s))
+        self._copy(self.seq_lens, batch.seq_lens + [0] * (lanes - s))
+        tables = padded_block_tables(seqs, lanes, self.block_tables.shape[1], trash_block)
         self.block_tables.copy_(torch.from_numpy(tables), non_blocking=True)
         return t
 
