@@ -10,12 +10,16 @@ Every run: output 256 (`--ignore-eos`), no prefix caching, a new request enterin
 finishes.
 
     python benchmarks/closed_loop_sweep.py --out-dir DIR [--big-concurrency 1,8,32,64,128,256]
+        [--engine-args "--decode-step-prefill-tokens auto"] [--skip-demo] [--acceptance 0.86]
+
+`--engine-args` go to every run (AR and DFlash alike): a what-if beside the defaults.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -61,25 +65,33 @@ def main() -> int:
     ap.add_argument("--demo-concurrency", default="1,4,16,64")
     ap.add_argument("--big-concurrency", default="1,8,32,64,128,256")
     ap.add_argument("--skip-big", action="store_true", help="the demo pair only")
+    ap.add_argument("--skip-demo", action="store_true", help="the Qwen3-8B shape only")
+    ap.add_argument("--acceptance", default="0.86,0.6", help="synthetic acceptances (8B shape)")
+    ap.add_argument("--engine-args", default="", help="extra engine flags for every run")
     args = ap.parse_args()
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    demo = ["--dataset", "benchmarks/prompts/code.jsonl", "--concurrency", args.demo_concurrency]
+    extra = shlex.split(args.engine_args)
+    demo = ["--dataset", "benchmarks/prompts/code.jsonl", "--concurrency", args.demo_concurrency,
+            *extra]
     res: dict = {"benchmark": "closed_loop_sweep", "command": recorded_command(
         "benchmarks/closed_loop_sweep.py"), "commit": git_commit()}
-    res["demo"] = compare(bench(out, "demo_ar", [*demo, "--draft", "none"]),
-                          bench(out, "demo_default", demo))
+    res["engine_args"] = args.engine_args
+    if not args.skip_demo:
+        res["demo"] = compare(bench(out, "demo_ar", [*demo, "--draft", "none"]),
+                              bench(out, "demo_default", demo))
     if not args.skip_big:
         with tempfile.TemporaryDirectory() as d:
             target, drafter = write_folders(Path(d))
             big = ["--model", str(target), "--load-format", "dummy", "--dataset", "random",
-                   "--input-len", str(INPUT_LEN), "--concurrency", args.big_concurrency]
+                   "--input-len", str(INPUT_LEN), "--concurrency", args.big_concurrency, *extra]
             ar = bench(out, "qwen3_8b_ar", big)
-            for a in (0.86, 0.6):
+            for a in (float(x) for x in args.acceptance.split(",")):
                 spec = bench(out, f"qwen3_8b_adaptive_a{a}",
                              [*big, "--draft", str(drafter), "--synthetic-acceptance", str(a)])
                 res[f"qwen3_8b_a{a}"] = compare(ar, spec)
-    res["environment"] = json.loads((out / "demo_ar.json").read_text())["environment"]
+    first = "qwen3_8b_ar" if args.skip_demo else "demo_ar"
+    res["environment"] = json.loads((out / f"{first}.json").read_text())["environment"]
     (out / "closed_loop_sweep.json").write_text(json.dumps(res, indent=1) + "\n")
     for key in [k for k in res if k.startswith(("demo", "qwen3"))]:
         print(f"{key}: min DFlash/AR {res[key]['min_ratio']:.2f}x")

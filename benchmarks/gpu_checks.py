@@ -7,7 +7,7 @@
 2. Fused kernels == their torch twins, the skinny-batch matmuls == F.linear, on CUDA.
 3. Tiny Qwen3 on CUDA, fp32: greedy with CUDA graphs == eager == HF `generate`; DFlash with graphs
    == autoregressive; batches that do not fill their graph bucket; requests finishing mid-batch;
-   requests arriving as others finish (split mixed steps: prefill graphs beside decode graphs).
+   requests arriving as others finish (mixed steps: one flat-step graph replay, or eager).
 
 Usage: python benchmarks/gpu_checks.py [--out FILE]
 """
@@ -103,20 +103,6 @@ def check_fused(report: dict) -> None:
     assert all(e < 1e-2 for e in errs.values())
 
 
-def count_split_steps() -> list[int]:
-    """Counts ModelRunner._execute_split calls into the returned cell."""
-    from blockspec.engine.model_runner import ModelRunner
-
-    cell, original = [0], ModelRunner._execute_split
-
-    def counted(self, *args):
-        cell[0] += 1
-        return original(self, *args)
-
-    ModelRunner._execute_split = counted
-    return cell
-
-
 def check_engine(tmp: Path, report: dict) -> None:
     target = build_tiny_model(tmp / "qwen3", arch="qwen3")
     drafter = build_random_drafter(tmp / "drafter", target, num_layers=2, block_size=8)
@@ -127,29 +113,31 @@ def check_engine(tmp: Path, report: dict) -> None:
     params = [SamplingParams(temperature=0, max_tokens=8 + 5 * i, ignore_eos=True)
               for i in range(13)]
     kw = dict(device="cuda", dtype="float32", num_kv_blocks=512, max_num_seqs=16)
-    runs, split_steps = {}, count_split_steps()
+    runs = {}
     # NOTE: max_num_seqs 4: requests arrive as others finish, so steps mix prefills with
-    # decodes (split into a prefill graph and a decode graph, or one eager forward).
+    # decodes (one flat-step graph replay, or one eager forward).
     for name, extra in (("graphs", {}), ("eager", {"enforce_eager": True}),
                         ("torch_backend_eager", {"enforce_eager": True,
                                                  "attention_backend": "torch"}),
                         ("dflash_graphs", {"draft": str(drafter)}),
                         ("dflash_eager", {"draft": str(drafter), "enforce_eager": True}),
                         ("graphs_c4", {"max_num_seqs": 4}),
-                        ("graphs_c4_unsplit", {"max_num_seqs": 4, "split_prefill": False}),
+                        ("graphs_c4_eager_mixed", {"max_num_seqs": 4,
+                                                   "graph_mixed_steps": False}),
                         ("dflash_graphs_c4", {"draft": str(drafter), "max_num_seqs": 4}),
                         ("dflash_fixed_graphs_c4", {"draft": str(drafter), "max_num_seqs": 4,
                                                     "speculation_policy": "fixed"}),
-                        ("dflash_graphs_c4_unsplit", {"draft": str(drafter), "max_num_seqs": 4,
-                                                      "split_prefill": False})):
+                        ("dflash_graphs_c4_eager_mixed", {"draft": str(drafter),
+                                                          "max_num_seqs": 4,
+                                                          "graph_mixed_steps": False})):
         llm = LLM(str(target), **{**kw, **extra})
-        split_steps[0] = 0
         runs[name] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        report[f"engine_{name}_split_steps"] = split_steps[0]
+        report[f"engine_{name}_steps_by_path"] = dict(llm.engine.runner.path_steps)
         bm = llm.engine.block_manager
         assert bm.num_used_blocks == 0, f"{name}: leaked blocks"
         del llm
-    assert report["engine_dflash_graphs_c4_split_steps"] > 0
+    assert report["engine_dflash_graphs_c4_steps_by_path"].get("flat", 0) > 0
+    assert report["engine_dflash_fixed_graphs_c4_steps_by_path"].get("flat", 0) > 0
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).cuda().eval()

@@ -58,10 +58,10 @@ class EngineConfig:
     # would), stop writing the drafter's context ("detached" mode) and catch it up with one
     # eager target pass before the drafter next runs. None: on with the adaptive policy.
     lazy_draft_context: bool | None = None
-    # A step that mixes prefill chunks with decodes runs the chunks as their own forward (a
-    # CUDA graph per token bucket) beside the graphed decode step, not one eager forward of the
-    # mixed batch. None: on with CUDA graphs; True elsewhere runs the same path eagerly.
-    split_prefill: bool | None = None
+    # A step that is not all-decode (prefill chunks beside decodes or verify blocks) runs its
+    # flat batch's forward as one CUDA graph per token bucket (the flat step), not one eager
+    # forward. None: on with CUDA graphs; True elsewhere runs the same buffered step eagerly.
+    graph_mixed_steps: bool | None = None
     attention_backend: str = "auto"  # auto: triton on CUDA, torch on CPU
     # Matmuls of at most 16 rows (small decode steps): auto = Triton kernels on CUDA (they read
     # the weights faster than cuBLAS there), torch (F.linear / cuBLAS) on CPU and for the rest.

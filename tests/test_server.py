@@ -480,7 +480,7 @@ def test_metrics_move(server, client):
         m = re.search(rf'^blockspec_engine_steps_total\{{path="{path}"\}} (\S+)$', text, re.M)
         return float(m.group(1)) if m else 0.0
 
-    paths = {p: steps(p) for p in ("decode", "mixed")}
+    paths = {p: steps(p) for p in ("decode", "eager")}
     r = client.completions.create(**greedy(prompt=PROMPT, max_tokens=5,
                                            extra_body={"ignore_eos": True}))
     for key, delta in moved.items():  # NOTE: recorded before the response is handed over
@@ -488,7 +488,7 @@ def test_metrics_move(server, client):
     # the gauges are published after the step that finished the request
     assert wait_for(lambda: metric(server, "blockspec_kv_cache_usage_perc") == 0.0)
     # one prefill step (eager on CPU), then a decode step per further token
-    assert steps("mixed") == paths["mixed"] + 1 and steps("decode") == paths["decode"] + 4
+    assert steps("eager") == paths["eager"] + 1 and steps("decode") == paths["decode"] + 4
     assert wait_for(lambda: metric(server, "blockspec_num_requests_running") == 0.0)
 
 

@@ -12,7 +12,13 @@ import torch
 
 from blockspec.dflash.verify import accepted_counts
 from blockspec.engine.context_staging import ContextStaging
-from blockspec.engine.decode_step import DecodeStep, GraphedDecodeStep, StepBuffers, StepOutputs
+from blockspec.engine.decode_step import (
+    DecodeStep,
+    DraftStep,
+    GraphedDecodeStep,
+    StepBuffers,
+    StepOutputs,
+)
 from blockspec.engine.kv_cache import padded_block_tables
 from blockspec.engine.row_sampling import SampleRows, plain_greedy, row_logprobs, sample_rows
 from blockspec.engine.sequence import Sequence
@@ -33,8 +39,8 @@ def fill_buffers(bufs: StepBuffers, seqs: list[Sequence], trash_block: int
     return tables, ctx
 
 
-def run_step(step: DecodeStep, graphs: GraphedDecodeStep | None, bufs: StepBuffers, n: int,
-             trash_block: int) -> StepOutputs:
+def run_step(step: DecodeStep | DraftStep, graphs: GraphedDecodeStep | None, bufs: StepBuffers,
+             n: int, trash_block: int) -> StepOutputs | torch.Tensor:
     """Replays the smallest bucket that holds `n` (padded lanes: trash block, empty context), or
     runs the step eagerly where no graph fits."""
     bucket = graphs.bucket_for(n) if graphs is not None else None
@@ -112,3 +118,28 @@ class DecodeExecutor:
             accepted.append(a)
         return StepResult([len(t) for t in tokens], list(seqs), tokens, lps, drafted, accepted,
                           [q * spec] * n)
+
+
+class BlockDrafts:
+    """A mixed step's drafts for decoding sequences whose blocks are all L: the draft step over
+    the decode step's static buffers, its graph replayed where one was captured (else eagerly),
+    so drafting beside prefill chunks costs what it costs in a decode step."""
+
+    def __init__(self, bufs: StepBuffers, steps: dict[int, DraftStep], trash_block: int) -> None:
+        self.bufs, self.steps, self.trash_block = bufs, steps, trash_block
+        self.graphs: dict[int, GraphedDecodeStep] = {}
+
+    def capture(self, lens: list[int], buckets: list[int], pool: tuple,
+                stream: torch.cuda.Stream) -> None:
+        for L in sorted((x for x in lens if x in self.steps), reverse=True):
+            self.graphs[L] = GraphedDecodeStep(self.steps[L], self.bufs, buckets)
+            self.graphs[L].capture(pool, stream)
+
+    def holds(self, n: int, L: int) -> bool:
+        return L in self.steps and n <= self.bufs.last_tokens.shape[0]
+
+    def __call__(self, seqs: list[Sequence], L: int) -> torch.Tensor:
+        """[len(seqs), L - 1] drafts. NOTE: a graph's output: read it before the next replay."""
+        n = len(seqs)
+        fill_buffers(self.bufs, seqs, self.trash_block)
+        return run_step(self.steps[L], self.graphs.get(L), self.bufs, n, self.trash_block)[:n]

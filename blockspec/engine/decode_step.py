@@ -120,11 +120,7 @@ class DecodeStep:
         last = bufs.last_tokens[:s]
         drafts = None
         if self.proposer is not None and q > 1:
-            p = self.proposer
-            mask = torch.full((s, q - 1), p.mask_token_id, dtype=torch.int64, device=last.device)
-            block = torch.cat([last[:, None], mask], dim=1).reshape(-1)
-            draft_meta = AttentionMetadata(**{**meta.__dict__, "causal": False})
-            drafts = p.draft(block, positions, draft_meta, q=q).view(s, q - 1)
+            drafts = self.draft(bufs, s, positions, meta)
             ids = torch.cat([last[:, None], drafts], dim=1).reshape(-1)
         else:
             ids = last
@@ -146,10 +142,36 @@ class DecodeStep:
         return StepOutputs(target, logits, drafts, acc, staged)
 
 
-class GraphedDecodeStep:
-    """One CUDA graph per batch bucket; replay pads the batch up to the bucket."""
+    def draft(self, bufs: StepBuffers, s: int, positions: torch.Tensor,
+              meta: AttentionMetadata) -> torch.Tensor:
+        """The drafter's q - 1 tokens after each sequence's last token: [s, q - 1]."""
+        p, q, last = self.proposer, self.q, bufs.last_tokens[:s]
+        mask = torch.full((s, q - 1), p.mask_token_id, dtype=torch.int64, device=last.device)
+        block = torch.cat([last[:, None], mask], dim=1).reshape(-1)
+        draft_meta = AttentionMetadata(**{**meta.__dict__, "causal": False})
+        return p.draft(block, positions, draft_meta, q=q).view(s, q - 1)
 
-    def __init__(self, step: DecodeStep, bufs: StepBuffers, buckets: list[int]) -> None:
+
+class DraftStep:
+    """A speculative step's drafting alone, from the same buffers: [s, q - 1] drafts (what a
+    mixed step verifies in its flat batch; graphed per batch bucket like the decode step)."""
+
+    def __init__(self, step: DecodeStep) -> None:
+        if step.proposer is None or step.q < 2:
+            raise ValueError("a draft step needs a proposer and a block of q >= 2")
+        self.step, self.q = step, step.q
+
+    def __call__(self, bufs: StepBuffers, s: int) -> torch.Tensor:
+        positions, meta = self.step.metadata(bufs, s, causal=True)
+        return self.step.draft(bufs, s, positions, meta)
+
+
+class GraphedDecodeStep:
+    """One CUDA graph per batch bucket of a step over the static buffers (a DecodeStep, or a
+    DraftStep); replay pads the batch up to the bucket."""
+
+    def __init__(self, step: DecodeStep | DraftStep, bufs: StepBuffers,
+                 buckets: list[int]) -> None:
         self.step = step
         self.bufs = bufs
         self.buckets = sorted(buckets)
@@ -178,7 +200,7 @@ class GraphedDecodeStep:
     def bucket_for(self, n: int) -> int | None:
         return next((b for b in self.buckets if b >= n), None)
 
-    def replay(self, n: int) -> StepOutputs:
+    def replay(self, n: int) -> StepOutputs | torch.Tensor:
         s = self.bucket_for(n)
         self.graphs[s].replay()
         return self.outputs[s]

@@ -52,7 +52,7 @@ class DraftContext:
         lazy = self.lazy
         if lazy is None or lazy.detached:
             return
-        staged = plan.block_len == 1 and plan.path != "mixed"
+        staged = plan.block_len == 1 and plan.path == "decode"
         written = [(s, a) for s, a, d in zip(seqs, advance, plan.decoding)
                    if not (staged and d)]
         lazy.count_written([s for s, _ in written], [a for _, a in written])

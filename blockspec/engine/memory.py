@@ -9,7 +9,7 @@ from blockspec.config import ConfigError, EngineConfig, ModelConfig
 from blockspec.dflash.config import DFlashConfig
 from blockspec.engine.context_staging import staging_rows
 from blockspec.engine.decode_step import graph_buckets, graphed_block_lens
-from blockspec.engine.prefill_step import prefill_buckets
+from blockspec.engine.flat_step import flat_buckets
 from blockspec.layers.attention import AttentionMetadata, PagedAttention
 from blockspec.models.qwen3 import CausalLM
 
@@ -80,12 +80,12 @@ def graph_output_bytes(block_lens: list[int], buckets: list[int], vocab_size: in
     return sum(sizes) - max(sizes, default=0)
 
 
-def prefill_graph_bytes(config: EngineConfig, hidden_size: int, dtype: torch.dtype) -> int:
-    """The hidden states each prefill graph keeps alive (its intermediates fit in the memory
-    the largest decode graph's hold in the shared pool)."""
-    if config.split_prefill is False:
+def flat_graph_bytes(config: EngineConfig, hidden_size: int, dtype: torch.dtype) -> int:
+    """The hidden states each flat-step graph keeps alive (their intermediates share the graph
+    pool with the decode graphs')."""
+    if config.graph_mixed_steps is False:
         return 0
-    return sum(prefill_buckets(config.max_num_batched_tokens)) * hidden_size * dtype.itemsize
+    return sum(flat_buckets(config.max_num_batched_tokens)) * hidden_size * dtype.itemsize
 
 
 def context_staging_bytes(config: EngineConfig, target: ModelConfig, drafter: DFlashConfig,
@@ -125,5 +125,5 @@ def outside_kv_bytes(config: EngineConfig, model: CausalLM, mc: ModelConfig,
             lens.append(1)  # the detached plain step's own graphs
         activation += graph_output_bytes(lens, graph_buckets(config.max_num_seqs),
                                          mc.vocab_size, dtype) \
-            + prefill_graph_bytes(config, mc.hidden_size, dtype)
+            + flat_graph_bytes(config, mc.hidden_size, dtype)
     return activation

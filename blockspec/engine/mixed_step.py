@@ -1,6 +1,6 @@
-"""The eager step for any mix of prefill chunks, plain decodes and speculative blocks of any
-length up to the max block: draft -> one target forward over the flat batch -> write drafter
-context -> sample -> accept."""
+"""The step for any mix of prefill chunks, plain decodes and speculative blocks of any length up
+to the max block: draft -> one target forward over the flat batch (the flat step's graph where a
+bucket holds it, else eagerly) -> write drafter context -> sample -> accept."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ import torch
 
 from blockspec.dflash.proposer import DFlashProposer
 from blockspec.dflash.verify import accepted_counts
+from blockspec.engine.decode_exec import BlockDrafts
 from blockspec.engine.flat_batch import FlatBatch
+from blockspec.engine.flat_exec import FlatForward
 from blockspec.engine.kv_cache import BlockManager
 from blockspec.engine.row_sampling import SampleRows, row_logprobs, sample_rows
 from blockspec.engine.sequence import Sequence
@@ -30,20 +32,30 @@ class MixedStep:
         self.synced = synced
 
     def __call__(self, seqs: list[Sequence], num_new_tokens: list[int], blens: list[int],
-                 write_context: bool, synthetic: float | None) -> StepResult:
+                 write_context: bool, synthetic: float | None,
+                 flat: FlatForward | None = None,
+                 block_drafts: BlockDrafts | None = None) -> StepResult:
         """`blens[i]`: sequence i's block (tokens verified; 0: it prefills or decodes plainly
         without a drafter); `write_context`: write the drafter's context of every fed token
-        (False while the lazy context is detached)."""
+        (False while the lazy context is detached); `flat`: the flat step to run the forward
+        through (None: the eager forward of the batch's exact tensors); `block_drafts`: the
+        draft step for blocks all of one length (None, or blocks cut short: one eager
+        drafter pass over the blocks)."""
         dev = self.device
         spec = [i for i, b in enumerate(blens) if b >= 1]
         width = max((blens[i] for i in spec), default=1)
-        drafts = self._propose(seqs, blens, spec, width) if width >= 2 else None
+        drafts = None
+        if width >= 2:
+            picked = [seqs[i] for i in spec]
+            whole = all(blens[i] == width for i in spec)
+            drafts = block_drafts(picked, width) if whole and block_drafts is not None \
+                and block_drafts.holds(len(picked), width) \
+                else self._propose(seqs, blens, spec, width)
         batch = FlatBatch.build(seqs, num_new_tokens, blens, width, self.bm)
-        input_ids, positions, meta = batch.tensors(seqs, drafts, dev)
-        taps_ids = self.proposer.target_layer_ids if write_context else ()
-        hidden, taps = self.model(input_ids, positions, meta, taps_ids)
-        if write_context:
-            self.proposer.write_context(taps, positions, meta.slot_mapping)
+        if flat is not None:
+            hidden = flat(batch, seqs, drafts, write_context)
+        else:
+            hidden = self._forward(batch, seqs, drafts, write_context)
         advance = [n if not b else 0 for n, b in zip(num_new_tokens, blens)]
         rows = batch.sampled_rows
         if not rows:
@@ -63,6 +75,15 @@ class MixedStep:
         return self._result(batch, advance, spec, spec_seqs, blens, width, tok_list, lp, acc,
                             drafts.tolist() if synthetic is not None and drafts is not None
                             else None)
+
+    def _forward(self, batch: FlatBatch, seqs: list[Sequence], drafts: torch.Tensor | None,
+                 write_context: bool) -> torch.Tensor:
+        input_ids, positions, meta = batch.tensors(seqs, drafts, self.device)
+        taps_ids = self.proposer.target_layer_ids if write_context else ()
+        hidden, taps = self.model(input_ids, positions, meta, taps_ids)
+        if write_context:
+            self.proposer.write_context(taps, positions, meta.slot_mapping)
+        return hidden
 
     def _propose(self, seqs: list[Sequence], blens: list[int], spec: list[int],
                  width: int) -> torch.Tensor:

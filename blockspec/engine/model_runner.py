@@ -5,8 +5,8 @@ once per step, to read the tokens.
 A step runs its plan (`StepPlanner`): the block length L of its decoding sequences (1 = plain
 decode, or one of the speculative block lengths, the speculation controller's choice; all
 decoding sequences of a step share it) and the path: the graphed decode step when every sequence
-decodes; beside it, the prefill chunks' own graphed forward (a split mixed step); else one eager
-forward of the flat batch.
+decodes; else the mixed step over the flat batch, its forward one replay of the flat step's
+token bucket (eager without graphs or where no bucket holds it).
 NOTE: every committed token gets the drafter's context K/V, so the next step may run any L:
 speculative and mixed steps write it at their verified positions; an all-plain step (L = 1) only
 stages its taps (`ContextStaging`), written in one batched pass before the drafter next runs (or
@@ -26,23 +26,24 @@ from blockspec.config import ConfigError, EngineConfig, ModelConfig
 from blockspec.dflash.proposer import DFlashProposer
 from blockspec.engine.context_staging import ContextStaging, staging_rows
 from blockspec.engine.cost_profile import load_or_measure_costs
-from blockspec.engine.decode_exec import DecodeExecutor
+from blockspec.engine.decode_exec import BlockDrafts, DecodeExecutor
 from blockspec.engine.decode_step import (
     DecodeStep,
+    DraftStep,
     GraphedDecodeStep,
     StepBuffers,
     graph_buckets,
     graphed_block_lens,
 )
 from blockspec.engine.draft_context import DraftContext
+from blockspec.engine.flat_exec import build_flat
 from blockspec.engine.kv_cache import BlockManager
 from blockspec.engine.lazy_context import LazyDraftContext
 from blockspec.engine.mixed_step import MixedStep
-from blockspec.engine.prefill_exec import build_prefill
 from blockspec.engine.sequence import Sequence
 from blockspec.engine.speculation import SpecController
 from blockspec.engine.step_plan import Plan, StepPlanner
-from blockspec.engine.step_result import StepResult, StepTimings, merge_results
+from blockspec.engine.step_result import StepResult, StepTimings
 from blockspec.layers.attention import PagedAttention
 from blockspec.models.qwen3 import CausalLM
 from blockspec.policy.cost_model import StepCostModel
@@ -96,8 +97,12 @@ class ModelRunner:
                                       model_cfg.vocab_size, self.staging, self.default_generator,
                                       self.synced, proposer is not None)
         graphed = self.device.type == "cuda" and not config.enforce_eager
-        self.prefill = build_prefill(config, model, proposer, block_manager, self.trash_block,
-                                     max_model_len, max_blocks, graphed, self.synced)
+        self.flat = build_flat(config, model, proposer, self.trash_block * block_manager.block_size,
+                               max_model_len, max_blocks, graphed)
+        # NOTE: with the flat step, a mixed step drafts through the decode steps' buffers too.
+        self.block_drafts = BlockDrafts(self.bufs, {L: DraftStep(self.steps[L])
+                                                    for L in self.spec_lens}, self.trash_block) \
+            if self.flat is not None and proposer is not None else None
         self.graphs_by_len: dict[int, GraphedDecodeStep] = {}
         if graphed:
             self._capture_graphs(adaptive)
@@ -112,7 +117,7 @@ class ModelRunner:
         if proposer is not None:
             self.controller = self._init_controller(adaptive)
         self.planner = StepPlanner(self.controller, self.lazy, self.spec_lens, self.max_block,
-                                   max_model_len, config.max_num_batched_tokens, self.prefill)
+                                   max_model_len, config.max_num_batched_tokens, self.flat)
 
     def _bind_kv_cache(self) -> None:
         bm, cfg = self.bm, self.model_cfg
@@ -153,8 +158,10 @@ class ModelRunner:
         if self.lazy is not None and adaptive:  # the detached plain step
             self.lazy.graphs = GraphedDecodeStep(self.lazy.step, self.bufs, self.buckets)
             self.lazy.graphs.capture(pool, stream)
-        if self.prefill is not None:
-            self.prefill.capture(pool, stream)
+        if self.block_drafts is not None:
+            self.block_drafts.capture([L for L in lens if L > 1], self.buckets, pool, stream)
+        if self.flat is not None:
+            self.flat.capture(pool, stream)
 
     def _init_controller(self, adaptive: bool) -> SpecController:
         cost_model = None
@@ -231,10 +238,8 @@ class ModelRunner:
             and self.controller is not None and not caught_up else None
         if plan.path == "decode":
             res = self._execute_decode(seqs, plan.block_len)
-        elif plan.path == "split":
-            res = self._execute_split(seqs, num_new_tokens, plan.decoding, plan.block_len)
         else:
-            res = self._execute_mixed(seqs, num_new_tokens, plan.decoding, plan.blens)
+            res = self._execute_mixed(seqs, num_new_tokens, plan)
         self._after(seqs, plan, res)
         return res
 
@@ -246,24 +251,15 @@ class ModelRunner:
             self.controller.observe(plan.block_len, res.drafted, res.accepted)
 
     def _execute_mixed(self, seqs: list[Sequence], num_new_tokens: list[int],
-                       decoding: list[bool], blens: list[int] | None) -> StepResult:
+                       plan: Plan) -> StepResult:
+        blens = plan.blens
         if blens is None:
             one = 1 if self.proposer is not None else 0
-            blens = [one if d else 0 for d in decoding]
+            blens = [one if d else 0 for d in plan.decoding]
         # NOTE: detached (lazy_draft_context): no drafter context now; caught up before the
         # drafter next runs for these sequences.
-        return self.mixed(seqs, num_new_tokens, blens, self.context.writes, self.synthetic)
-
-    def _execute_split(self, seqs: list[Sequence], num_new_tokens: list[int],
-                       decoding: list[bool], L: int) -> StepResult:
-        """A mixed step as two replays: the prefill chunks' forward, then the decoding
-        sequences' decode step at L (the tokens of both read at the decode step's sync)."""
-        pre = [i for i, d in enumerate(decoding) if not d]
-        finish = self.prefill.launch([seqs[i] for i in pre], [num_new_tokens[i] for i in pre],
-                                     self.context.writes)
-        dec = [s for s, d in zip(seqs, decoding) if d]
-        decoded = self._execute_decode(dec, L) if dec else None
-        return merge_results(seqs, decoding, decoded, finish())
+        return self.mixed(seqs, num_new_tokens, blens, self.context.writes, self.synthetic,
+                          self.flat if plan.path == "flat" else None, self.block_drafts)
 
     def observe_step_time(self, seconds: float) -> None:
         """The engine's wall time of the step just run (schedule to outputs), for the policy's

@@ -7,8 +7,8 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from blockspec.engine.flat_exec import FlatForward
 from blockspec.engine.lazy_context import LazyDraftContext
-from blockspec.engine.prefill_exec import PrefillExecutor
 from blockspec.engine.sequence import Sequence
 from blockspec.engine.speculation import SpecController
 from blockspec.policy.step_context import StepContext
@@ -20,8 +20,9 @@ class Plan:
     block_len: int  # the decoding sequences' block (1: plain decode, also with none decoding)
     # Tokens verified per sequence at block_len >= 2 (0: it prefills); None at block_len 1.
     blens: list[int] | None
-    # "decode": every sequence decodes with whole blocks (the graphed step); "split": the
-    # prefill chunks' forward beside that step; "mixed": one eager forward of the flat batch.
+    # "decode": every sequence decodes with whole blocks (the graphed decode step); "flat": the
+    # flat batch through the flat step's bucket graph (MixedStep); "eager": the same step with
+    # one eager forward (no graphs, or no bucket holds the batch).
     path: str
 
     @property
@@ -36,8 +37,8 @@ class Plan:
 class StepPlanner:
     def __init__(self, controller: SpecController | None, lazy: LazyDraftContext | None,
                  spec_lens: list[int], max_block: int, max_model_len: int,
-                 max_num_batched_tokens: int, prefill: PrefillExecutor | None) -> None:
-        self.controller, self.lazy, self.prefill = controller, lazy, prefill
+                 max_num_batched_tokens: int, flat: FlatForward | None) -> None:
+        self.controller, self.lazy, self.flat = controller, lazy, flat
         self.spec_lens, self.max_model_len = spec_lens, max_model_len
         self.max_num_batched_tokens = max_num_batched_tokens
         # The policy's last choice, and the block length the scheduler budgeted this step for
@@ -53,11 +54,11 @@ class StepPlanner:
         whole = blens is None or all(b == L for b, d in zip(blens, decoding) if d)
         if whole and all(decoding):
             path = "decode"
-        elif whole and self.prefill is not None and self.prefill.fits(
-                [n for n, d in zip(num_new_tokens, decoding) if not d]):
-            path = "split"
+        elif self.flat is not None and self.flat.fits(
+                sum(b or n for b, n in zip(blens or num_new_tokens, num_new_tokens)), len(seqs)):
+            path = "flat"
         else:
-            path = "mixed"
+            path = "eager"
         return Plan(decoding, L, blens, path)
 
     def next_budget_lookahead(self) -> int:

@@ -53,19 +53,3 @@ class StepTimings:
         return {f.name: 1e3 * getattr(self, f.name) / self.steps
                 for f in fields(self) if f.name != "steps"}
 
-
-def merge_results(seqs: list[Sequence], decoding: list[bool], decode: StepResult | None,
-                  prefill: StepResult) -> StepResult:
-    """One step's result from its decode part (the `decoding` sequences, in order) and its
-    prefill part (the others, in order)."""
-    parts = [p for p in (prefill, decode) if p is not None]
-    dec_adv = iter(decode.advance if decode is not None else [])
-    pre_adv = iter(prefill.advance)
-    advance = [next(dec_adv) if d else next(pre_adv) for d in decoding]
-    assert len(advance) == len(seqs)
-
-    def cat(name: str) -> list:
-        return [x for p in parts for x in getattr(p, name)]
-
-    return StepResult(advance, cat("sampled_seqs"), cat("tokens"), cat("logprobs"),
-                      cat("drafted"), cat("accepted"), cat("block_lens"))

@@ -29,6 +29,9 @@ class AttentionMetadata:
     # Per-token (sequence index, index within its query) for the padded torch reference path.
     token_seq_idx: torch.Tensor | None = None
     token_q_idx: torch.Tensor | None = None
+    # Kernels walk every sequence's query tiles in turn (a grid from the token count) instead
+    # of num_seqs x the longest query's: a graph's token bucket, many lanes, any query lengths.
+    flat_grid: bool = False
 
     @property
     def num_seqs(self) -> int:

@@ -214,7 +214,8 @@ class TritonAttentionBackend:
         tile; `num_splits`, `split_keys` (fewest keys per split), `num_warps` and `num_stages`
         override the heuristics / defaults. `flat_grid`: programs over every sequence's query
         tiles in turn (cdiv(tokens, BLOCK_Q) + num_seqs of them) instead of num_seqs x the
-        longest query's tiles, for batches of one long query among many short ones."""
+        longest query's tiles, for every call (metadata asks for it per call:
+        AttentionMetadata.flat_grid)."""
         self.max_block_m, self.block_n, self.num_splits = max_block_m, block_n, num_splits
         self.num_warps, self.num_stages, self.split_keys = num_warps, num_stages, split_keys
         self.flat_grid = flat_grid
@@ -249,7 +250,8 @@ class TritonAttentionBackend:
         block_m = self.block_m(max_q, group)
         block_q = block_m // group
         # Axes 0 and 1 of the grid: (every sequence's tiles in turn, 1) or (sequence, tile).
-        tiles = (triton.cdiv(num_tokens, block_q) + num_seqs, 1) if self.flat_grid \
+        flat = self.flat_grid or meta.flat_grid
+        tiles = (triton.cdiv(num_tokens, block_q) + num_seqs, 1) if flat \
             else (num_seqs, triton.cdiv(max_q, block_q))
         num_programs = tiles[0] * tiles[1] * num_kv_heads
         min_keys, max_splits = split_limits(block_m)
@@ -280,7 +282,7 @@ class TritonAttentionBackend:
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
             BLOCK_SIZE=block_size, BLOCK_N=self.block_n, CAUSAL=meta.causal, NUM_SPLITS=splits,
             MIN_CHUNK=min_keys if splits > 1 else 0, DOT_DTYPE=dot_dtype,
-            DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32", FLAT_GRID=self.flat_grid,
+            DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32", FLAT_GRID=flat,
             **({"num_stages": self.num_stages} if self.num_stages else {}), **common)
         if splits > 1:
             # NOTE: a block's rows (64) merge in 32-column slices for more programs; a decode
@@ -291,5 +293,5 @@ class TritonAttentionBackend:
                 lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), GROUP=group,
                 HEAD_DIM=head_dim, D_BLOCK=d_block, BLOCK_Q=block_q, BLOCK_M=block_m,
                 BLOCK_N=self.block_n, CAUSAL=meta.causal, NUM_SPLITS=splits, MIN_CHUNK=min_keys,
-                FLAT_GRID=self.flat_grid, num_warps=self.num_warps or 4)
+                FLAT_GRID=flat, num_warps=self.num_warps or 4)
         return out

@@ -45,8 +45,8 @@ class _EngineCollector(Collector):
                                   value=s.num_step_failures)
         fam = CounterMetricFamily("blockspec_engine_steps",
                                   "Engine steps by how they ran: decode (every sequence decodes), "
-                                  "split (prefill forward + decode step), mixed (one eager "
-                                  "forward)", labels=["path"])
+                                  "flat (a mixed batch, one graph replay), eager (a mixed "
+                                  "batch, one eager forward)", labels=["path"])
         for path, steps in s.steps_by_path:
             fam.add_metric([path], steps)
         yield fam

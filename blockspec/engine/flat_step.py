@@ -1,16 +1,17 @@
-"""The prefill forward of a step: the target over a flat batch of prefill chunks (and the drafter
-context of their tokens), from static buffers, so the same function runs eagerly at the batch's
-exact size and as one CUDA graph per token bucket.
+"""The target forward of any step's flat batch (prefill chunks, plain decodes, verify blocks of
+any length) from static buffers, with the drafter context of its tokens, so the same function
+runs eagerly at the batch's exact size and as one CUDA graph per token bucket.
 
-A step that mixes prefill chunks with decoding sequences runs this for the chunks and the
-graphed decode step for the rest (`ModelRunner`): both replays, where one eager forward over the
-mixed batch launches every kernel of every layer from the host.
+A step that is not all-decode (MixedStep) replays the bucket that holds its tokens: one forward
+reads the weights once for the chunks and the decodes alike, where an eager forward launches
+every kernel of every layer from the host.
 
-NOTE: a graph replays its bucket's T tokens and S sequence lanes. Tokens past the batch write
+NOTE: a graph replays its bucket's T tokens and all S sequence lanes. Tokens past the batch write
 their K/V (target and drafter) into the trash block and belong to no sequence (the attention
-kernel leaves their rows unwritten; they are never read); lanes past the batch have no query
-and no keys. Long queries all launch one attention tile shape (TritonAttentionBackend.block_m),
-so a bucket's graph serves any mix of chunk lengths.
+kernel leaves their rows unwritten; they are never read); lanes past the batch have no query and
+no keys (their block tables are never read). Attention runs a flat grid (programs from the token
+count, AttentionMetadata.flat_grid) and long queries one tile shape
+(TritonAttentionBackend.block_m), so a bucket's graph serves any mix of query lengths.
 """
 
 from __future__ import annotations
@@ -18,36 +19,34 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from blockspec.dflash.proposer import DFlashProposer
 from blockspec.engine.flat_batch import FlatBatch
-from blockspec.engine.kv_cache import padded_block_tables
 from blockspec.engine.sequence import Sequence
 from blockspec.layers.attention import AttentionMetadata
 from blockspec.models.qwen3 import CausalLM
 
-# Prefill chunks a graphed prefill holds (steps with more run eagerly), and the fewest and most
-# tokens of a graph bucket: the smallest bucket is above the split-KV query length, the largest
-# is where an eager forward's launches no longer matter next to its compute.
-PREFILL_GRAPH_SEQS = 16
-MIN_PREFILL_BUCKET, MAX_PREFILL_BUCKET = 32, 2048
+# The fewest and most tokens of a graph bucket: the smallest is above the split-KV query length,
+# the largest is where an eager forward's launches no longer matter next to its compute.
+MIN_FLAT_BUCKET, MAX_FLAT_BUCKET = 32, 2048
 
 
-def prefill_buckets(max_num_batched_tokens: int) -> list[int]:
-    """Token counts that get a prefill graph: powers of two, and from 256 up also 1.5 x each
-    (a replay computes its whole bucket), up to the step's token budget."""
-    cap = min(max_num_batched_tokens, MAX_PREFILL_BUCKET)
-    out, t = [], MIN_PREFILL_BUCKET
+def flat_buckets(max_num_batched_tokens: int) -> list[int]:
+    """Token counts that get a graph: powers of two, and from 256 up also 1.5 x each (a replay
+    computes its whole bucket), up to the step's token budget."""
+    cap = min(max_num_batched_tokens, MAX_FLAT_BUCKET)
+    out, t = [], MIN_FLAT_BUCKET
     while t < cap:
         out += [t] if t < 256 else [t, t * 3 // 2]
         t *= 2
     out = [b for b in out if b < cap]
-    return [*out, cap] if cap >= MIN_PREFILL_BUCKET else []
+    return [*out, cap] if cap >= MIN_FLAT_BUCKET else []
 
 
 @dataclass
-class PrefillBuffers:
+class FlatBuffers:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     slot_mapping: torch.Tensor  # [T] int64: the target's K/V slots
@@ -58,7 +57,7 @@ class PrefillBuffers:
 
     @classmethod
     def allocate(cls, max_tokens: int, max_seqs: int, max_blocks: int,
-                 device: torch.device) -> PrefillBuffers:
+                 device: torch.device) -> FlatBuffers:
         def zeros(*shape: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
             return torch.zeros(*shape, dtype=dtype, device=device)
 
@@ -66,10 +65,11 @@ class PrefillBuffers:
                    zeros(max_seqs + 1, dtype=torch.int32), zeros(max_seqs, dtype=torch.int32),
                    zeros(max_seqs, max_blocks, dtype=torch.int32))
 
-    def fill(self, batch: FlatBatch, seqs: list[Sequence], trash_slot: int, trash_block: int,
+    def fill(self, batch: FlatBatch, seqs: list[Sequence], trash_slot: int,
              write_context: bool) -> int:
-        """Writes the prefill chunks of `batch` (built for `seqs`) into every row of the
-        buffers, padding included; returns the number of tokens."""
+        """Writes `batch` (built for `seqs`) into the buffers, every token row and sequence lane
+        included; returns the number of tokens. Drafts are not in `batch.input_ids` yet (see
+        `place_drafts`)."""
         t, s = len(batch.input_ids), len(seqs)
         pad, lanes = self.input_ids.shape[0] - t, self.seq_lens.shape[0]
         slots = batch.slot_mapping + [trash_slot] * pad
@@ -80,16 +80,27 @@ class PrefillBuffers:
         self._copy(self.cu_seqlens_q, [0, *itertools.accumulate(batch.query_lens)]
                    + [t] * (lanes - s))
         self._copy(self.seq_lens, batch.seq_lens + [0] * (lanes - s))
-        tables = padded_block_tables(seqs, lanes, self.block_tables.shape[1], trash_block)
-        self.block_tables.copy_(torch.from_numpy(tables), non_blocking=True)
+        width = max((len(q.block_table) for q in seqs), default=0)
+        if width:
+            tables = np.zeros((s, width), dtype=np.int32)
+            for i, q in enumerate(seqs):
+                tables[i, :len(q.block_table)] = q.block_table
+            self.block_tables[:s, :width].copy_(torch.from_numpy(tables), non_blocking=True)
         return t
+
+    def place_drafts(self, batch: FlatBatch, drafts: torch.Tensor | None) -> None:
+        """The drafter's tokens into their verify rows (on the device: no host sync)."""
+        if batch.draft_dst:
+            dev = self.input_ids.device
+            self.input_ids[torch.tensor(batch.draft_dst, device=dev)] = drafts.reshape(-1)[
+                torch.tensor(batch.draft_src, device=dev)]
 
     @staticmethod
     def _copy(dst: torch.Tensor, values: list[int]) -> None:
         dst.copy_(torch.tensor(values, dtype=dst.dtype), non_blocking=True)
 
 
-class PrefillStep:
+class FlatStep:
     """Target forward over the first `t` tokens and `s` lanes of the buffers, then the drafter
     context of those tokens (at `context_slots`). Returns the final hidden states [t, H]."""
 
@@ -97,7 +108,7 @@ class PrefillStep:
                  max_seq_len: int) -> None:
         self.model, self.proposer, self.max_seq_len = model, proposer, max_seq_len
 
-    def __call__(self, bufs: PrefillBuffers, t: int, s: int) -> torch.Tensor:
+    def __call__(self, bufs: FlatBuffers, t: int, s: int) -> torch.Tensor:
         dev = bufs.input_ids.device
         cu = bufs.cu_seqlens_q[:s + 1]
         rows = torch.arange(t, device=dev)
@@ -107,7 +118,8 @@ class PrefillStep:
         meta = AttentionMetadata(
             slot_mapping=bufs.slot_mapping[:t], cu_seqlens_q=cu, seq_lens=bufs.seq_lens[:s],
             block_tables=bufs.block_tables[:s], max_query_len=t, max_seq_len=self.max_seq_len,
-            token_seq_idx=seq_idx, token_q_idx=(rows - cu[seq_idx]).clamp(min=0))
+            token_seq_idx=seq_idx, token_q_idx=(rows - cu[seq_idx]).clamp(min=0),
+            flat_grid=True)
         positions = bufs.positions[:t]
         tap_ids = self.proposer.target_layer_ids if self.proposer is not None else ()
         hidden, taps = self.model(bufs.input_ids[:t], positions, meta, tap_ids)
@@ -116,10 +128,10 @@ class PrefillStep:
         return hidden
 
 
-class GraphedPrefillStep:
+class GraphedFlatStep:
     """One CUDA graph per token bucket, every one over all the buffers' lanes."""
 
-    def __init__(self, step: PrefillStep, bufs: PrefillBuffers, buckets: list[int]) -> None:
+    def __init__(self, step: FlatStep, bufs: FlatBuffers, buckets: list[int]) -> None:
         self.step, self.bufs, self.buckets = step, bufs, sorted(buckets)
         self.lanes = bufs.seq_lens.shape[0]
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
