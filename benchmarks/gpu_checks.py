@@ -3,7 +3,7 @@
 1. Triton paged attention == torch reference on CUDA (bf16, Qwen3-8B heads, decode / verify /
    prefill / mixed / non-causal drafter blocks, long contexts that take the split-KV path; also
    with max_seq_len 40960 as a graph passes it: more splits than short contexts fill); with the
-   (sequence, tile) grid and the flat grid.
+   (sequence, tile) grid and the flat grid, and the flat step's short queries launched apart.
 2. Fused kernels == their torch twins, the skinny-batch matmuls == F.linear, on CUDA.
 3. Tiny Qwen3 on CUDA, fp32: greedy with CUDA graphs == eager == HF `generate`; DFlash with graphs
    == autoregressive; batches that do not fill their graph bucket; requests finishing mid-batch;
@@ -48,7 +48,7 @@ def check_attention(report: dict) -> None:
              "draft": ([16] * 5, [16, 600, 1200, 33, 2500], False),
              "mixed": ([16, 300, 1, 16, 37], [530, 900, 1025, 16, 37], True)}
     torch_b, triton_b = TorchAttentionBackend(), TritonAttentionBackend()
-    flat_b = TritonAttentionBackend(flat_grid=True)  # NOTE: an option, not yet a default
+    flat_b = TritonAttentionBackend(flat_grid=True)
     perm = torch.randperm(nblocks, generator=torch.Generator().manual_seed(1)).tolist()
     for name, (qlens, slens, causal) in cases.items():
         tables, used = [], 0
@@ -63,11 +63,15 @@ def check_attention(report: dict) -> None:
         for tag, max_len in (("", meta.max_seq_len), ("_maxlen40960", 40960)):
             # NOTE: graphs pass max_model_len as max_seq_len: more splits than the contexts fill
             meta.max_seq_len = max_len
-            for grid, backend in (("", triton_b), ("_flat_grid", flat_b)):
+            for grid, backend, short in (("", triton_b, 0), ("_flat_grid", flat_b, 0),
+                                         ("_flat_grid_short4", flat_b, 4),
+                                         ("_flat_grid_short16", flat_b, 16)):
+                meta.short_query_len = short  # the flat step's two launches
                 err = rel_err(backend.attend(q, kc, vc, meta, d**-0.5), ref)
                 report[f"attention_{name}{tag}{grid}_rel_err"] = err
                 print(f"triton attention {name}{tag}{grid}: rel err {err:.2e}")
                 assert err < 2e-2, name + tag + grid
+            meta.short_query_len = 0
 
 
 def check_linear(report: dict) -> None:

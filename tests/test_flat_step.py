@@ -132,8 +132,8 @@ def test_flat_forward_equals_the_exact_eager_forward(qwen3_path, drafter16, case
     force_block_lens(llm, [1, 16, 4, 1, 8])
     mixed, original, compared = llm.engine.runner.mixed, FlatForward.__call__, []
 
-    def checked(self, batch, seqs, drafts, write_context):
-        hidden = original(self, batch, seqs, drafts, write_context)[:len(batch.input_ids)]
+    def checked(self, batch, seqs, drafts, write_context, width):
+        hidden = original(self, batch, seqs, drafts, write_context, width)[:len(batch.input_ids)]
         ref = mixed._forward(batch, seqs, drafts, write_context)
         torch.testing.assert_close(hidden, ref, atol=1e-5, rtol=1e-5)
         compared.append(bool(batch.draft_dst))

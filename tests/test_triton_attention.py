@@ -301,3 +301,16 @@ def test_flat_grid_ignores_padding_tokens_and_lanes():
         max_query_len=64, max_seq_len=4096)
     out = TritonAttentionBackend(flat_grid=True).attend(q_pad, k_cache, v_cache, padded, 0.3)
     torch.testing.assert_close(out[:q.shape[0]], exact, atol=2e-5, rtol=2e-5)
+
+
+@needs_triton
+@pytest.mark.parametrize("short", [1, 4, 16])
+@pytest.mark.parametrize("flat", [True, False])
+def test_short_queries_launched_apart_match_torch(short, flat):
+    """short_query_len: queries of up to `short` tokens get their own launch and tile beside the
+    longer ones' (decode rows and verify blocks beside prefill chunks); every row is computed
+    once, as the torch reference does, whichever launch it falls to."""
+    q_lens, seq_lens = [1, 37, 4, 0, 16, 2, 20], [40, 90, 9, 5, 30, 64, 20]
+    q, k_cache, v_cache, meta = make_case(q_lens, seq_lens, 4, 2, 32, seed=11)
+    meta.flat_grid, meta.short_query_len = flat, short
+    check(TritonAttentionBackend(), q, k_cache, v_cache, meta)

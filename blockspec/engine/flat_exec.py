@@ -8,7 +8,13 @@ import torch
 from blockspec.config import EngineConfig
 from blockspec.dflash.proposer import DFlashProposer
 from blockspec.engine.flat_batch import FlatBatch
-from blockspec.engine.flat_step import FlatBuffers, FlatStep, GraphedFlatStep, flat_buckets
+from blockspec.engine.flat_step import (
+    FlatBuffers,
+    FlatStep,
+    GraphedFlatStep,
+    flat_buckets,
+    short_query_len,
+)
 from blockspec.engine.sequence import Sequence
 from blockspec.models.qwen3 import CausalLM
 
@@ -23,9 +29,11 @@ class FlatForward:
         # NOTE: the buffers' last lane stays empty: graph padding tokens belong to it.
         self.lanes = bufs.seq_lens.shape[0] - 1
 
-    def capture(self, pool: tuple, stream: torch.cuda.Stream) -> None:
+    def capture(self, widths: list[int], pool: tuple, stream: torch.cuda.Stream) -> None:
+        """Graphs for steps whose decoding sequences verify any of `widths` tokens."""
         self.bufs.fill(FlatBatch(), [], self.trash_slot, write_context=False)
-        self.graphs = GraphedFlatStep(self.step, self.bufs, self.buckets)
+        shorts = sorted({short_query_len(w) for w in widths})
+        self.graphs = GraphedFlatStep(self.step, self.bufs, self.buckets, shorts)
         self.graphs.capture(pool, stream)
 
     def fits(self, num_tokens: int, num_seqs: int) -> bool:
@@ -33,13 +41,15 @@ class FlatForward:
         return 0 < num_tokens <= self.buckets[-1] and num_seqs <= self.lanes
 
     def __call__(self, batch: FlatBatch, seqs: list[Sequence], drafts: torch.Tensor | None,
-                 write_context: bool) -> torch.Tensor:
-        """The batch's final hidden states (rows past its tokens are padding)."""
+                 write_context: bool, width: int) -> torch.Tensor:
+        """The batch's final hidden states (rows past its tokens are padding); `width`: the
+        tokens each decoding sequence verifies (1: plain decode)."""
         t = self.bufs.fill(batch, seqs, self.trash_slot, write_context)
         self.bufs.place_drafts(batch, drafts)
+        short = short_query_len(width)
         if self.graphs is not None:
-            return self.graphs.replay(next(b for b in self.buckets if b >= t))
-        return self.step(self.bufs, t, len(seqs))
+            return self.graphs.replay(next(b for b in self.buckets if b >= t), short)
+        return self.step(self.bufs, t, len(seqs), short)
 
 
 def build_flat(config: EngineConfig, model: CausalLM, proposer: DFlashProposer | None,

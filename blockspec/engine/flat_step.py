@@ -31,6 +31,16 @@ from blockspec.models.qwen3 import CausalLM
 # The fewest and most tokens of a graph bucket: the smallest is above the split-KV query length,
 # the largest is where an eager forward's launches no longer matter next to its compute.
 MIN_FLAT_BUCKET, MAX_FLAT_BUCKET = 32, 2048
+# Query lengths whose attention launch is tiled apart from the prefill chunks' (a graph per
+# bucket and class): plain decodes and blocks of <= 4 get a decode step's small tile, longer
+# blocks one tile per 16-token block, so decode rows beside a prefill chunk do not pay the
+# prefill tile's rows (16x the work of a plain decode's at a GQA group of 4).
+SHORT_QUERY_LENS = (4, 16)
+
+
+def short_query_len(width: int) -> int:
+    """The short-query class of a step whose decoding sequences verify `width` tokens each."""
+    return next((s for s in SHORT_QUERY_LENS if width <= s), SHORT_QUERY_LENS[-1])
 
 
 def flat_buckets(max_num_batched_tokens: int) -> list[int]:
@@ -102,13 +112,14 @@ class FlatBuffers:
 
 class FlatStep:
     """Target forward over the first `t` tokens and `s` lanes of the buffers, then the drafter
-    context of those tokens (at `context_slots`). Returns the final hidden states [t, H]."""
+    context of those tokens (at `context_slots`). Returns the final hidden states [t, H].
+    `short`: queries of up to this many tokens get an attention launch of their own."""
 
     def __init__(self, model: CausalLM, proposer: DFlashProposer | None,
                  max_seq_len: int) -> None:
         self.model, self.proposer, self.max_seq_len = model, proposer, max_seq_len
 
-    def __call__(self, bufs: FlatBuffers, t: int, s: int) -> torch.Tensor:
+    def __call__(self, bufs: FlatBuffers, t: int, s: int, short: int) -> torch.Tensor:
         dev = bufs.input_ids.device
         cu = bufs.cu_seqlens_q[:s + 1]
         rows = torch.arange(t, device=dev)
@@ -119,7 +130,7 @@ class FlatStep:
             slot_mapping=bufs.slot_mapping[:t], cu_seqlens_q=cu, seq_lens=bufs.seq_lens[:s],
             block_tables=bufs.block_tables[:s], max_query_len=t, max_seq_len=self.max_seq_len,
             token_seq_idx=seq_idx, token_q_idx=(rows - cu[seq_idx]).clamp(min=0),
-            flat_grid=True)
+            flat_grid=True, short_query_len=short)
         positions = bufs.positions[:t]
         tap_ids = self.proposer.target_layer_ids if self.proposer is not None else ()
         hidden, taps = self.model(bufs.input_ids[:t], positions, meta, tap_ids)
@@ -129,28 +140,31 @@ class FlatStep:
 
 
 class GraphedFlatStep:
-    """One CUDA graph per token bucket, every one over all the buffers' lanes."""
+    """One CUDA graph per (token bucket, short-query class), every one over all the buffers'
+    lanes."""
 
-    def __init__(self, step: FlatStep, bufs: FlatBuffers, buckets: list[int]) -> None:
+    def __init__(self, step: FlatStep, bufs: FlatBuffers, buckets: list[int],
+                 shorts: list[int]) -> None:
         self.step, self.bufs, self.buckets = step, bufs, sorted(buckets)
+        self.shorts = sorted(shorts)
         self.lanes = bufs.seq_lens.shape[0]
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[tuple[int, int], torch.Tensor] = {}
 
     def capture(self, pool: tuple, stream: torch.cuda.Stream) -> None:
         """NOTE: the buffers must hold a valid (all-padding) batch: the runner fills them."""
-        for t in reversed(self.buckets):
+        for key in [(t, short) for t in reversed(self.buckets) for short in self.shorts]:
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 for _ in range(2):
-                    self.step(self.bufs, t, self.lanes)
+                    self.step(self.bufs, key[0], self.lanes, key[1])
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self.outputs[t] = self.step(self.bufs, t, self.lanes)
-            self.graphs[t] = graph
+                self.outputs[key] = self.step(self.bufs, key[0], self.lanes, key[1])
+            self.graphs[key] = graph
         torch.cuda.synchronize()
 
-    def replay(self, bucket: int) -> torch.Tensor:
-        self.graphs[bucket].replay()
-        return self.outputs[bucket]
+    def replay(self, bucket: int, short: int) -> torch.Tensor:
+        self.graphs[bucket, short].replay()
+        return self.outputs[bucket, short]

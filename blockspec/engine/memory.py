@@ -9,7 +9,7 @@ from blockspec.config import ConfigError, EngineConfig, ModelConfig
 from blockspec.dflash.config import DFlashConfig
 from blockspec.engine.context_staging import staging_rows
 from blockspec.engine.decode_step import graph_buckets, graphed_block_lens
-from blockspec.engine.flat_step import flat_buckets
+from blockspec.engine.flat_step import SHORT_QUERY_LENS, flat_buckets
 from blockspec.layers.attention import AttentionMetadata, PagedAttention
 from blockspec.models.qwen3 import CausalLM
 
@@ -85,7 +85,9 @@ def flat_graph_bytes(config: EngineConfig, hidden_size: int, dtype: torch.dtype)
     pool with the decode graphs')."""
     if config.graph_mixed_steps is False:
         return 0
-    return sum(flat_buckets(config.max_num_batched_tokens)) * hidden_size * dtype.itemsize
+    classes = len(SHORT_QUERY_LENS) if config.draft is not None else 1
+    return classes * sum(flat_buckets(config.max_num_batched_tokens)) * hidden_size \
+        * dtype.itemsize
 
 
 def context_staging_bytes(config: EngineConfig, target: ModelConfig, drafter: DFlashConfig,

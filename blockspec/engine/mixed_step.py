@@ -53,7 +53,7 @@ class MixedStep:
                 else self._propose(seqs, blens, spec, width)
         batch = FlatBatch.build(seqs, num_new_tokens, blens, width, self.bm)
         if flat is not None:
-            hidden = flat(batch, seqs, drafts, write_context)
+            hidden = flat(batch, seqs, drafts, write_context, width)
         else:
             hidden = self._forward(batch, seqs, drafts, write_context)
         advance = [n if not b else 0 for n, b in zip(num_new_tokens, blens)]

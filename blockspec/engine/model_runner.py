@@ -161,7 +161,7 @@ class ModelRunner:
         if self.block_drafts is not None:
             self.block_drafts.capture([L for L in lens if L > 1], self.buckets, pool, stream)
         if self.flat is not None:
-            self.flat.capture(pool, stream)
+            self.flat.capture([1, *lens], pool, stream)
 
     def _init_controller(self, adaptive: bool) -> SpecController:
         cost_model = None

@@ -32,6 +32,9 @@ class AttentionMetadata:
     # Kernels walk every sequence's query tiles in turn (a grid from the token count) instead
     # of num_seqs x the longest query's: a graph's token bucket, many lanes, any query lengths.
     flat_grid: bool = False
+    # > 0: queries of at most this many tokens (decodes, verify blocks) get a launch of their
+    # own, tiled for that length, beside the largest tile's for the longer ones (prefill chunks).
+    short_query_len: int = 0
 
     @property
     def num_seqs(self) -> int:

@@ -26,64 +26,23 @@ from blockspec.layers.attention_splits import (
     num_sms,
     split_limits,
 )
+from blockspec.layers.triton_attention_tiles import (
+    _merge_kernel,
+    _program_tile,
+    _query_rows,
+    _split_range,
+)
 from blockspec.layers.triton_kv_store import store_kv
 
 _LOG2E = 1.4426950408889634
+_MAX_Q = 2**31 - 1  # no upper bound on a launch's query lengths
 _DOT_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 
 
-@triton.jit
-def _program_tile(cu_seqlens_q_ptr, num_seqs, BLOCK_Q: tl.constexpr, FLAT_GRID: tl.constexpr):
-    """(sequence, query tile) of this program. A flat grid walks every sequence's tiles in turn
-    on axis 0: sequence s starts at program cu[s] // BLOCK_Q + s (a start off a tile boundary
-    costs it at most one tile), so the grid is cdiv(tokens, BLOCK_Q) + num_seqs whatever the
-    longest query, and a binary search over the starts finds the sequence."""
-    pid = tl.program_id(0)
-    seq, q_tile = pid, tl.program_id(1)
-    if FLAT_GRID:
-        lo = pid * 0  # NOTE: invariant start(lo) <= pid < start(hi); start(0) = 0
-        hi = lo + num_seqs
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if tl.load(cu_seqlens_q_ptr + mid) // BLOCK_Q + mid <= pid:
-                lo = mid
-            else:
-                hi = mid
-        seq, q_tile = lo, pid - (tl.load(cu_seqlens_q_ptr + lo) // BLOCK_Q + lo)
-    return seq, q_tile
-
-
-@triton.jit
-def _query_rows(q_tile, kv_head, q_len, GROUP: tl.constexpr, BLOCK_Q: tl.constexpr,
-                BLOCK_M: tl.constexpr):
-    """Token (within the sequence's query), query head and validity of each of a tile's rows."""
-    r = tl.arange(0, BLOCK_M)
-    tok = q_tile * BLOCK_Q + r // GROUP
-    head = kv_head * GROUP + r % GROUP
-    # NOTE: BLOCK_M is a power of two, BLOCK_Q * GROUP need not be: the rows past it are padding.
-    return tok, head, (r < BLOCK_Q * GROUP) & (tok < q_len)
-
-
-@triton.jit
-def _split_range(seq_len, q_len, q_tile, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-                 CAUSAL: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr):
-    """(keys a query tile attends to, keys per split): whole BLOCK_N tiles per split, and at
-    least MIN_CHUNK keys, so a short context uses fewer splits than the launch has (graphs fix
-    NUM_SPLITS from max_seq_len; the context is what it is)."""
-    kv_end = seq_len
-    if CAUSAL:  # keys past the tile's last token are masked for every row: skip them
-        kv_end = tl.minimum(seq_len, seq_len - q_len + tl.minimum((q_tile + 1) * BLOCK_Q, q_len))
-    # NOTE: cdiv spelled out: tl.cdiv fails under triton 3.6's interpreter.
-    chunk = ((kv_end + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
-    return kv_end, tl.maximum(chunk, MIN_CHUNK)
-
-
-# NOTE: the block table's row stride is the batch's widest table in eager steps, so it changes
-# step to step; specialising on its value (== 1, divisible by 16) would compile new variants
-# mid-serving (~1 s each on an H200) for a scalar gather that gains nothing from them.
-@triton.jit(do_not_specialize=["stride_bt", "num_seqs"])
+@triton.jit(do_not_specialize=["stride_bt", "num_seqs", "q_len_lo", "q_len_hi"])
 def _attn_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr,
                  cu_seqlens_q_ptr, seq_lens_ptr, block_tables_ptr, qk_scale, num_seqs,
+                 q_len_lo, q_len_hi,
                  stride_qt, stride_qh, stride_ot, stride_oh, stride_os, stride_lt, stride_lh,
                  stride_cb, stride_cs, stride_ch, stride_bt,
                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr,
@@ -95,8 +54,9 @@ def _attn_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr,
     kv_head, split = tl.program_id(2) // NUM_SPLITS, tl.program_id(2) % NUM_SPLITS
     q_start = tl.load(cu_seqlens_q_ptr + seq)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
-    # The grid covers the longest query in the batch; shorter ones have idle tiles.
-    if q_tile * BLOCK_Q >= q_len:
+    # The grid covers the longest query in the batch; shorter ones have idle tiles. A launch
+    # serves the sequences of q_len_lo < q_len <= q_len_hi (the others are another launch's).
+    if q_tile * BLOCK_Q >= q_len or q_len <= q_len_lo or q_len > q_len_hi:
         return
     seq_len = tl.load(seq_lens_ptr + seq)
     tok, head, row_ok = _query_rows(q_tile, kv_head, q_len, GROUP, BLOCK_Q, BLOCK_M)
@@ -157,53 +117,6 @@ def _attn_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr,
                  mask=row_ok)
 
 
-@triton.jit(do_not_specialize=["num_seqs"])
-def _merge_kernel(part_ptr, lse_ptr, out_ptr, cu_seqlens_q_ptr, seq_lens_ptr, num_seqs,
-                  stride_pt, stride_ph, stride_ps, stride_lt, stride_lh, stride_ot, stride_oh,
-                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_BLOCK: tl.constexpr,
-                  BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  CAUSAL: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr,
-                  FLAT_GRID: tl.constexpr):
-    # NOTE: _attn_kernel's grid and row mapping, each (seq, tile, kv head) cut into D_BLOCK-wide
-    # column slices for parallelism; it reads only the splits that got keys (_split_range).
-    seq, q_tile = _program_tile(cu_seqlens_q_ptr, num_seqs, BLOCK_Q, FLAT_GRID)
-    d_slices: tl.constexpr = (HEAD_DIM + D_BLOCK - 1) // D_BLOCK
-    kv_head, d_slice = tl.program_id(2) // d_slices, tl.program_id(2) % d_slices
-    q_start = tl.load(cu_seqlens_q_ptr + seq)
-    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
-    if q_tile * BLOCK_Q >= q_len:
-        return
-    kv_end, chunk = _split_range(tl.load(seq_lens_ptr + seq), q_len, q_tile, BLOCK_Q, BLOCK_N,
-                                 CAUSAL, NUM_SPLITS, MIN_CHUNK)
-    num_active = tl.maximum((kv_end + chunk - 1) // chunk, 1)
-    tok, head, row_ok = _query_rows(q_tile, kv_head, q_len, GROUP, BLOCK_Q, BLOCK_M)
-    row = (q_start + tok).to(tl.int64)
-    d = d_slice * D_BLOCK + tl.arange(0, D_BLOCK)
-    mask = row_ok[:, None] & (d < HEAD_DIM)[None, :]
-    lse_ptrs = lse_ptr + row * stride_lt + head * stride_lh
-    part_ptrs = part_ptr + row[:, None] * stride_pt + head[:, None] * stride_ph + d[None, :]
-
-    # NOTE: unrolled over every split, reading only those that ran (masked loads move no
-    # bytes): a loop bounded by num_active would serialize the loads' latency.
-    zero = tl.zeros([BLOCK_M], tl.int32)  # NOTE: splits as row vectors: masks must be tensors
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    for s in tl.static_range(NUM_SPLITS):
-        ran = row_ok & (zero + s < num_active)
-        m = tl.maximum(m, tl.load(lse_ptrs + s, mask=ran, other=float("-inf")))
-    m = tl.where(m == float("-inf"), 0.0, m)
-    denom = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D_BLOCK], tl.float32)
-    for s in tl.static_range(NUM_SPLITS):
-        ran = row_ok & (zero + s < num_active)
-        w = tl.exp2(tl.load(lse_ptrs + s, mask=ran, other=float("-inf")) - m)
-        denom += w
-        acc += w[:, None] * tl.load(part_ptrs + s * stride_ps, mask=mask & ran[:, None],
-                                    other=0.0)
-    out = acc / tl.where(denom == 0.0, 1.0, denom)[:, None]
-    tl.store(out_ptr + row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=mask)
-
-
 class TritonAttentionBackend:
     name = "triton"
 
@@ -236,21 +149,35 @@ class TritonAttentionBackend:
 
     def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        num_tokens, num_heads, head_dim = q.shape
-        _, block_size, num_kv_heads, _ = k_cache.shape
-        num_seqs, max_q = meta.num_seqs, meta.max_query_len
         # NOTE: rows of tokens that belong to no sequence (graph padding) are left unwritten.
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-        if num_tokens == 0 or num_seqs == 0 or max_q == 0:
+        if q.shape[0] == 0 or meta.num_seqs == 0 or meta.max_query_len == 0:
             return out.zero_()
         assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1
-        assert q.stride(2) == 1 and num_heads % num_kv_heads == 0
+        assert q.stride(2) == 1 and q.shape[1] % k_cache.shape[2] == 0
+        short = min(meta.short_query_len, meta.max_query_len)
+        if short:
+            # Two launches: queries of <= `short` tokens with their own (small) tile, longer
+            # ones with the largest; each sequence is served by exactly one.
+            self._launch(q, k_cache, v_cache, out, meta, scale, short, (0, short))
+        if short < meta.max_query_len:
+            self._launch(q, k_cache, v_cache, out, meta, scale, meta.max_query_len,
+                         (short, _MAX_Q))
+        return out
 
+    def _launch(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                out: torch.Tensor, meta: AttentionMetadata, scale: float, max_q: int,
+                q_range: tuple[int, int]) -> None:
+        """The kernels over the sequences whose query length is in (q_range[0], q_range[1]],
+        tiled for queries of up to `max_q` tokens."""
+        num_tokens, num_heads, head_dim = q.shape
+        _, block_size, num_kv_heads, _ = k_cache.shape
+        num_seqs = meta.num_seqs
         group = num_heads // num_kv_heads
         block_m = self.block_m(max_q, group)
         block_q = block_m // group
-        # Axes 0 and 1 of the grid: (every sequence's tiles in turn, 1) or (sequence, tile).
         flat = self.flat_grid or meta.flat_grid
+        # Axes 0 and 1 of the grid: (every sequence's tiles in turn, 1) or (sequence, tile).
         tiles = (triton.cdiv(num_tokens, block_q) + num_seqs, 1) if flat \
             else (num_seqs, triton.cdiv(max_q, block_q))
         num_programs = tiles[0] * tiles[1] * num_kv_heads
@@ -277,8 +204,8 @@ class TritonAttentionBackend:
             dot_dtype = tl.float32
         _attn_kernel[(*tiles, num_kv_heads * splits)](
             q, k_cache, v_cache, dst, lse, meta.cu_seqlens_q, meta.seq_lens, meta.block_tables,
-            scale * _LOG2E, num_seqs, q.stride(0), q.stride(1), *dst_strides, lse.stride(0),
-            lse.stride(1),
+            scale * _LOG2E, num_seqs, *q_range, q.stride(0), q.stride(1), *dst_strides,
+            lse.stride(0), lse.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
             BLOCK_SIZE=block_size, BLOCK_N=self.block_n, CAUSAL=meta.causal, NUM_SPLITS=splits,
             MIN_CHUNK=min_keys if splits > 1 else 0, DOT_DTYPE=dot_dtype,
@@ -289,9 +216,8 @@ class TritonAttentionBackend:
             # token's few rows whole (slicing them measured slower).
             d_block = d_pad if block_m <= 16 else min(d_pad, 32)
             _merge_kernel[(*tiles, num_kv_heads * triton.cdiv(head_dim, d_block))](
-                part, lse, out, meta.cu_seqlens_q, meta.seq_lens, num_seqs, *part.stride()[:3],
-                lse.stride(0), lse.stride(1), out.stride(0), out.stride(1), GROUP=group,
-                HEAD_DIM=head_dim, D_BLOCK=d_block, BLOCK_Q=block_q, BLOCK_M=block_m,
-                BLOCK_N=self.block_n, CAUSAL=meta.causal, NUM_SPLITS=splits, MIN_CHUNK=min_keys,
-                FLAT_GRID=flat, num_warps=self.num_warps or 4)
-        return out
+                part, lse, out, meta.cu_seqlens_q, meta.seq_lens, num_seqs, *q_range,
+                *part.stride()[:3], lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
+                GROUP=group, HEAD_DIM=head_dim, D_BLOCK=d_block, BLOCK_Q=block_q,
+                BLOCK_M=block_m, BLOCK_N=self.block_n, CAUSAL=meta.causal, NUM_SPLITS=splits,
+                MIN_CHUNK=min_keys, FLAT_GRID=flat, num_warps=self.num_warps or 4)
