@@ -44,13 +44,7 @@ class MixedStep:
         dev = self.device
         spec = [i for i, b in enumerate(blens) if b >= 1]
         width = max((blens[i] for i in spec), default=1)
-        drafts = None
-        if width >= 2:
-            picked = [seqs[i] for i in spec]
-            whole = all(blens[i] == width for i in spec)
-            drafts = block_drafts(picked, width) if whole and block_drafts is not None \
-                and block_drafts.holds(len(picked), width) \
-                else self._propose(seqs, blens, spec, width)
+        drafts = self._drafts(seqs, blens, spec, width, block_drafts) if width >= 2 else None
         batch = FlatBatch.build(seqs, num_new_tokens, blens, width, self.bm)
         if flat is not None:
             hidden = flat(batch, seqs, drafts, write_context, width)
@@ -75,6 +69,15 @@ class MixedStep:
         return self._result(batch, advance, spec, spec_seqs, blens, width, tok_list, lp, acc,
                             drafts.tolist() if synthetic is not None and drafts is not None
                             else None)
+
+    def _drafts(self, seqs: list[Sequence], blens: list[int], spec: list[int], width: int,
+                block_drafts: BlockDrafts | None) -> torch.Tensor:
+        """[len(spec), width - 1] drafts: the draft step's where every block is whole."""
+        picked = [seqs[i] for i in spec]
+        if block_drafts is not None and all(blens[i] == width for i in spec) \
+                and block_drafts.holds(len(picked), width):
+            return block_drafts(picked, width)
+        return self._propose(seqs, blens, spec, width)
 
     def _forward(self, batch: FlatBatch, seqs: list[Sequence], drafts: torch.Tensor | None,
                  write_context: bool) -> torch.Tensor:
