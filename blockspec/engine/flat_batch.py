@@ -1,10 +1,14 @@
-"""The flat token batch of an eager step: prefill chunks, decodes and verify blocks of any length
-in one `[T]` row of tokens, with the metadata attention reads (vLLM's names)."""
+"""The flat token batch of a mixed step: prefill chunks, decodes and verify blocks of any length
+in one `[T]` row of tokens, with the metadata attention reads (vLLM's names). Built with numpy
+over whole arrays (a Python loop runs per sequence, never per token): at a few hundred sequences
+the batch is host time on every mixed step."""
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from blockspec.engine.kv_cache import BlockManager
@@ -12,64 +16,108 @@ from blockspec.engine.sequence import Sequence
 from blockspec.layers.attention import AttentionMetadata
 
 
+def _empty(dtype: type = np.int64) -> np.ndarray:
+    return np.zeros(0, dtype=dtype)
+
+
+def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Concatenated [start, start + length) of each pair."""
+    total = int(lengths.sum())
+    begins = np.repeat(np.cumsum(lengths) - lengths, lengths)
+    return np.repeat(starts, lengths) + np.arange(total) - begins
+
+
+def block_table_array(seqs: list[Sequence]) -> tuple[np.ndarray, np.ndarray]:
+    """([S, W] int32 block tables padded with 0, [S] their lengths)."""
+    lens = np.fromiter((len(s.block_table) for s in seqs), dtype=np.int64, count=len(seqs))
+    tables = np.zeros((len(seqs), max(int(lens.max(initial=0)), 1)), dtype=np.int32)
+    rows = np.repeat(np.arange(len(seqs)), lens)
+    cols = _ranges(np.zeros(len(seqs), dtype=np.int64), lens)
+    tables[rows, cols] = np.fromiter(itertools.chain.from_iterable(s.block_table for s in seqs),
+                                     dtype=np.int32, count=int(lens.sum()))
+    return tables, lens
+
+
 @dataclass
 class FlatBatch:
-    """Host lists of one step; `tensors` makes the tensors the forward reads.
+    """One step's host arrays; `tensors` makes the tensors the forward reads.
 
     A sequence with a block (blens[i] >= 1) feeds its last committed token and the drafts after
     it (`draft_dst` <- `draft_src` fills them once the drafter ran); every other sequence feeds
     its scheduled chunk and samples after it when the chunk reaches its end (`last_rows`)."""
 
-    input_ids: list[int] = field(default_factory=list)
-    positions: list[int] = field(default_factory=list)
-    slot_mapping: list[int] = field(default_factory=list)
-    query_lens: list[int] = field(default_factory=list)
-    seq_lens: list[int] = field(default_factory=list)
-    draft_dst: list[int] = field(default_factory=list)  # flat token rows that take a draft
-    draft_src: list[int] = field(default_factory=list)  # ... the draft's flat index
+    input_ids: np.ndarray = field(default_factory=_empty)  # [T]
+    positions: np.ndarray = field(default_factory=_empty)  # [T]
+    slot_mapping: np.ndarray = field(default_factory=_empty)  # [T]
+    query_lens: np.ndarray = field(default_factory=_empty)  # [S]
+    seq_lens: np.ndarray = field(default_factory=_empty)  # [S]
+    block_tables: np.ndarray = field(default_factory=lambda: np.zeros((0, 1), np.int32))
+    draft_dst: np.ndarray = field(default_factory=_empty)  # flat token rows that take a draft
+    draft_src: np.ndarray = field(default_factory=_empty)  # ... the draft's flat index
     last_rows: list[int] = field(default_factory=list)  # rows sampled by non-block sequences
     last_seqs: list[Sequence] = field(default_factory=list)
-    verify_rows: list[list[int]] = field(default_factory=list)  # per block: its width's rows
+    verify_rows: np.ndarray = field(default_factory=lambda: np.zeros((0, 1), np.int64))
 
     @classmethod
     def build(cls, seqs: list[Sequence], num_new_tokens: list[int], blens: list[int],
               width: int, bm: BlockManager) -> FlatBatch:
         """NOTE: every block is padded to `width` (the step's widest) in `verify_rows`: a short
         block repeats its last row, whose drafts are -1, so nothing past it is accepted."""
-        b = cls()
-        for seq, n, blen in zip(seqs, num_new_tokens, blens):
-            start = seq.num_computed_tokens
-            q = blen or n
-            base = len(b.input_ids)
-            for p in range(start, start + q):
-                b.input_ids.append(seq.token_at(p) if p < seq.num_tokens else 0)
-                b.positions.append(p)
-                b.slot_mapping.append(bm.slot(seq, p))
-            if blen:
-                k = len(b.verify_rows)
-                b.draft_dst += range(base + 1, base + q)
-                b.draft_src += range(k * (width - 1), k * (width - 1) + q - 1)
-                b.verify_rows.append([base + min(j, q - 1) for j in range(width)])
-            elif start + n == seq.num_tokens:
-                b.last_rows.append(len(b.input_ids) - 1)
-                b.last_seqs.append(seq)
-            b.query_lens.append(q)
-            b.seq_lens.append(start + q)
-        return b
+        n_seqs, bs = len(seqs), bm.block_size
+        start = np.fromiter((s.num_computed_tokens for s in seqs), dtype=np.int64, count=n_seqs)
+        blen = np.asarray(blens, dtype=np.int64).reshape(n_seqs)
+        q = np.where(blen > 0, blen, np.asarray(num_new_tokens, dtype=np.int64).reshape(n_seqs))
+        cu = np.concatenate([[0], np.cumsum(q)])
+        positions = _ranges(start, q)
+        tables, table_lens = block_table_array(seqs)
+        seq_idx = np.repeat(np.arange(n_seqs), q)
+        # NOTE: the scheduler allocated every fed position's block (lookahead included).
+        assert (positions // bs < table_lens[seq_idx]).all(), "a fed position has no KV block"
+        slots = tables[seq_idx, positions // bs].astype(np.int64) * bs + positions % bs
+        ids = np.zeros(int(cu[-1]), dtype=np.int64)
+        blocks = np.flatnonzero(blen > 0)
+        # a block feeds its last committed token, then drafts
+        ids[cu[blocks]] = np.fromiter((seqs[i].token_at(seqs[i].num_computed_tokens)
+                                       for i in blocks.tolist()), dtype=np.int64,
+                                      count=len(blocks))
+        last_rows, last_seqs = [], []
+        cu_list, q_list = cu.tolist(), q.tolist()
+        for i in np.flatnonzero(blen == 0).tolist():
+            seq = seqs[i]
+            a = seq.num_computed_tokens
+            b = a + q_list[i]
+            ids[cu_list[i]:cu_list[i + 1]] = seq.tokens_in(a, b)
+            if b == seq.num_tokens:
+                last_rows.append(cu_list[i + 1] - 1)
+                last_seqs.append(seq)
+        drafted = q[blocks] - 1
+        verify = cu[blocks][:, None] + np.minimum(np.arange(width)[None, :], drafted[:, None])
+        return cls(ids, positions, slots, q, start + q, tables,
+                   _ranges(cu[blocks] + 1, drafted),
+                   _ranges(np.arange(len(blocks), dtype=np.int64) * (width - 1), drafted),
+                   last_rows, last_seqs, verify)
 
-    def tensors(self, seqs: list[Sequence], drafts: torch.Tensor | None, device: torch.device
+    def tensors(self, drafts: torch.Tensor | None, device: torch.device
                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """(input ids with the drafts in place, positions, attention metadata)."""
-        input_ids = torch.tensor(self.input_ids, dtype=torch.int64, device=device)
-        if self.draft_dst:
-            input_ids[torch.tensor(self.draft_dst, device=device)] = drafts.view(-1)[
-                torch.tensor(self.draft_src, device=device)]
-        positions = torch.tensor(self.positions, dtype=torch.int64, device=device)
-        meta = AttentionMetadata.build(self.query_lens, self.seq_lens,
-                                       [s.block_table for s in seqs], self.slot_mapping, device)
-        return input_ids, positions, meta
+        def t(x: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(x).to(device, non_blocking=True)
+
+        input_ids = t(self.input_ids)
+        if len(self.draft_dst):
+            input_ids[t(self.draft_dst)] = drafts.reshape(-1)[t(self.draft_src)]
+        cu = np.concatenate([[0], np.cumsum(self.query_lens)])
+        seq_idx = np.repeat(np.arange(len(self.query_lens)), self.query_lens)
+        meta = AttentionMetadata(
+            slot_mapping=t(self.slot_mapping), cu_seqlens_q=t(cu.astype(np.int32)),
+            seq_lens=t(self.seq_lens.astype(np.int32)), block_tables=t(self.block_tables),
+            max_query_len=int(self.query_lens.max(initial=0)),
+            max_seq_len=int(self.seq_lens.max(initial=0)), token_seq_idx=t(seq_idx),
+            token_q_idx=t(np.arange(len(self.input_ids)) - cu[seq_idx]))
+        return input_ids, t(self.positions), meta
 
     @property
-    def sampled_rows(self) -> list[int]:
+    def sampled_rows(self) -> np.ndarray:
         """Logits rows: the non-block sequences' last rows, then every block's rows."""
-        return self.last_rows + [r for rows in self.verify_rows for r in rows]
+        return np.concatenate([np.asarray(self.last_rows, dtype=np.int64),
+                               self.verify_rows.reshape(-1)])

@@ -15,7 +15,6 @@ from blockspec.engine.flat_step import (
     flat_buckets,
     short_query_len,
 )
-from blockspec.engine.sequence import Sequence
 from blockspec.models.qwen3 import CausalLM
 
 
@@ -31,7 +30,7 @@ class FlatForward:
 
     def capture(self, widths: list[int], pool: tuple, stream: torch.cuda.Stream) -> None:
         """Graphs for steps whose decoding sequences verify any of `widths` tokens."""
-        self.bufs.fill(FlatBatch(), [], self.trash_slot, write_context=False)
+        self.bufs.fill(FlatBatch(), self.trash_slot, write_context=False)
         shorts = sorted({short_query_len(w) for w in widths})
         self.graphs = GraphedFlatStep(self.step, self.bufs, self.buckets, shorts)
         self.graphs.capture(pool, stream)
@@ -40,16 +39,16 @@ class FlatForward:
         """Whether a batch of this size fits one bucket and the lanes."""
         return 0 < num_tokens <= self.buckets[-1] and num_seqs <= self.lanes
 
-    def __call__(self, batch: FlatBatch, seqs: list[Sequence], drafts: torch.Tensor | None,
-                 write_context: bool, width: int) -> torch.Tensor:
+    def __call__(self, batch: FlatBatch, drafts: torch.Tensor | None, write_context: bool,
+                 width: int) -> torch.Tensor:
         """The batch's final hidden states (rows past its tokens are padding); `width`: the
         tokens each decoding sequence verifies (1: plain decode)."""
-        t = self.bufs.fill(batch, seqs, self.trash_slot, write_context)
+        t = self.bufs.fill(batch, self.trash_slot, write_context)
         self.bufs.place_drafts(batch, drafts)
         short = short_query_len(width)
         if self.graphs is not None:
             return self.graphs.replay(next(b for b in self.buckets if b >= t), short)
-        return self.step(self.bufs, t, len(seqs), short)
+        return self.step(self.bufs, t, len(batch.query_lens), short)
 
 
 def build_flat(config: EngineConfig, model: CausalLM, proposer: DFlashProposer | None,

@@ -16,7 +16,6 @@ count, AttentionMetadata.flat_grid) and long queries one tile shape
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,7 +23,6 @@ import torch
 
 from blockspec.dflash.proposer import DFlashProposer
 from blockspec.engine.flat_batch import FlatBatch
-from blockspec.engine.sequence import Sequence
 from blockspec.layers.attention import AttentionMetadata
 from blockspec.models.qwen3 import CausalLM
 
@@ -75,39 +73,37 @@ class FlatBuffers:
                    zeros(max_seqs + 1, dtype=torch.int32), zeros(max_seqs, dtype=torch.int32),
                    zeros(max_seqs, max_blocks, dtype=torch.int32))
 
-    def fill(self, batch: FlatBatch, seqs: list[Sequence], trash_slot: int,
-             write_context: bool) -> int:
-        """Writes `batch` (built for `seqs`) into the buffers, every token row and sequence lane
-        included; returns the number of tokens. Drafts are not in `batch.input_ids` yet (see
-        `place_drafts`)."""
-        t, s = len(batch.input_ids), len(seqs)
-        pad, lanes = self.input_ids.shape[0] - t, self.seq_lens.shape[0]
-        slots = batch.slot_mapping + [trash_slot] * pad
-        self._copy(self.input_ids, batch.input_ids + [0] * pad)
-        self._copy(self.positions, batch.positions + [0] * pad)
-        self._copy(self.slot_mapping, slots)
-        self._copy(self.context_slots, slots if write_context else [trash_slot] * (t + pad))
-        self._copy(self.cu_seqlens_q, [0, *itertools.accumulate(batch.query_lens)]
-                   + [t] * (lanes - s))
-        self._copy(self.seq_lens, batch.seq_lens + [0] * (lanes - s))
-        width = max((len(q.block_table) for q in seqs), default=0)
-        if width:
-            tables = np.zeros((s, width), dtype=np.int32)
-            for i, q in enumerate(seqs):
-                tables[i, :len(q.block_table)] = q.block_table
-            self.block_tables[:s, :width].copy_(torch.from_numpy(tables), non_blocking=True)
+    def fill(self, batch: FlatBatch, trash_slot: int, write_context: bool) -> int:
+        """Writes `batch` into the buffers, every token row and sequence lane included; returns
+        the number of tokens. Drafts are not in `batch.input_ids` yet (see `place_drafts`)."""
+        t, s = len(batch.input_ids), len(batch.query_lens)
+        self._copy(self.input_ids, batch.input_ids, 0)
+        self._copy(self.positions, batch.positions, 0)
+        self._copy(self.slot_mapping, batch.slot_mapping, trash_slot)
+        self._copy(self.context_slots, batch.slot_mapping if write_context
+                   else np.zeros(0, dtype=np.int64), trash_slot)
+        cu = np.concatenate([[0], np.cumsum(batch.query_lens)])
+        self._copy(self.cu_seqlens_q, cu, t)
+        self._copy(self.seq_lens, batch.seq_lens, 0)
+        if s:
+            width = batch.block_tables.shape[1]
+            self.block_tables[:s, :width].copy_(torch.from_numpy(batch.block_tables),
+                                                non_blocking=True)
         return t
 
     def place_drafts(self, batch: FlatBatch, drafts: torch.Tensor | None) -> None:
         """The drafter's tokens into their verify rows (on the device: no host sync)."""
-        if batch.draft_dst:
+        if len(batch.draft_dst):
             dev = self.input_ids.device
-            self.input_ids[torch.tensor(batch.draft_dst, device=dev)] = drafts.reshape(-1)[
-                torch.tensor(batch.draft_src, device=dev)]
+            self.input_ids[torch.from_numpy(batch.draft_dst).to(dev)] = drafts.reshape(-1)[
+                torch.from_numpy(batch.draft_src).to(dev)]
 
     @staticmethod
-    def _copy(dst: torch.Tensor, values: list[int]) -> None:
-        dst.copy_(torch.tensor(values, dtype=dst.dtype), non_blocking=True)
+    def _copy(dst: torch.Tensor, values: np.ndarray, pad: int) -> None:
+        """`values`, then `pad` up to the buffer's end."""
+        full = np.full(dst.shape[0], pad, dtype=np.int64)
+        full[:len(values)] = values
+        dst.copy_(torch.from_numpy(full), non_blocking=True)
 
 
 class FlatStep:

@@ -47,14 +47,14 @@ class MixedStep:
         drafts = self._drafts(seqs, blens, spec, width, block_drafts) if width >= 2 else None
         batch = FlatBatch.build(seqs, num_new_tokens, blens, width, self.bm)
         if flat is not None:
-            hidden = flat(batch, seqs, drafts, write_context, width)
+            hidden = flat(batch, drafts, write_context, width)
         else:
-            hidden = self._forward(batch, seqs, drafts, write_context)
+            hidden = self._forward(batch, drafts, write_context)
         advance = [n if not b else 0 for n, b in zip(num_new_tokens, blens)]
         rows = batch.sampled_rows
-        if not rows:
+        if not len(rows):
             return StepResult(advance, [], [], [], [], [], [])
-        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=dev)]).float()
+        logits = self.model.compute_logits(hidden[torch.from_numpy(rows).to(dev)]).float()
         spec_seqs = [seqs[i] for i in spec]
         n_last = len(batch.last_rows)
         row_seqs = batch.last_seqs + [s for s in spec_seqs for _ in range(width)]
@@ -79,9 +79,9 @@ class MixedStep:
             return block_drafts(picked, width)
         return self._propose(seqs, blens, spec, width)
 
-    def _forward(self, batch: FlatBatch, seqs: list[Sequence], drafts: torch.Tensor | None,
+    def _forward(self, batch: FlatBatch, drafts: torch.Tensor | None,
                  write_context: bool) -> torch.Tensor:
-        input_ids, positions, meta = batch.tensors(seqs, drafts, self.device)
+        input_ids, positions, meta = batch.tensors(drafts, self.device)
         taps_ids = self.proposer.target_layer_ids if write_context else ()
         hidden, taps = self.model(input_ids, positions, meta, taps_ids)
         if write_context:

@@ -50,6 +50,9 @@ def _contexts(rows: SampleRows) -> list[RowContext | None]:
 
 def sample_rows(logits: torch.Tensor, rows: SampleRows, vocab_size: int) -> torch.Tensor:
     """logits [R, V] -> token ids [R] (int64), one per row of `rows`."""
+    if plain_greedy(rows.seqs):
+        # NOTE: what sampling computes for these rows, without its per-row setup on the host
+        return logits.argmax(dim=-1)
     params = [s.params for s in rows.seqs]
     logits = logits.float()
     if any(p.has_processors for p in params):

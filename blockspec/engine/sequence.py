@@ -97,6 +97,13 @@ class Sequence:
         n = len(self.prompt_token_ids)
         return self.prompt_token_ids[i] if i < n else self.output_token_ids[i - n]
 
+    def tokens_in(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output."""
+        n = len(self.prompt_token_ids)
+        if end <= n:
+            return self.prompt_token_ids[start:end]
+        return self.prompt_token_ids[start:] + self.output_token_ids[max(start - n, 0):end - n]
+
     @property
     def is_finished(self) -> bool:
         return self.status == SequenceStatus.FINISHED
