@@ -12,12 +12,19 @@ from typing import Any
 
 import torch
 
+from blockspec.deepseek_config import MLAConfig, MoEConfig, deepseek_fields
 from blockspec.errors import ConfigError
 
 SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "LlamaForCausalLM": "llama",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
+    # Kimi-K2.5/K2.6: a DeepSeek-V3 text model under `language_model.`, served text-only
+    "KimiK25ForConditionalGeneration": "deepseek_v3",
 }
+_WRAPPERS = {"KimiK25ForConditionalGeneration": "language_model.", "kimi_k25": "language_model."}
+# model_type values served by an architecture above (Kimi-K2 is DeepSeek-V3's).
+MODEL_TYPE_ALIASES = {"kimi_k2": "deepseek_v3"}
 
 _DTYPES = {
     "float32": torch.float32,
@@ -112,7 +119,7 @@ class RopeConfig:
 
 @dataclass
 class ModelConfig:
-    """Geometry of a decoder-only target model (Qwen3 or Llama family)."""
+    """Geometry of a decoder-only target model (Qwen3, Llama, DeepSeek-V3 / Kimi-K2)."""
 
     model_type: str
     vocab_size: int
@@ -131,6 +138,13 @@ class ModelConfig:
     dtype: torch.dtype = torch.float32
     eos_token_ids: tuple[int, ...] = ()
     bos_token_id: int | None = None
+    mla: MLAConfig | None = None  # None: grouped-query attention
+    moe: MoEConfig | None = None  # None: dense MLPs
+    # The served model's weights sit under this prefix in the checkpoint (a multimodal
+    # wrapper's language model); the wrapper's other modules are not loaded.
+    checkpoint_prefix: str = ""
+    # DeepSeek-V3's multi-token-prediction layers, stored after the decoder's: not served.
+    mtp_layers: int = 0
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -147,14 +161,37 @@ class ModelConfig:
     def qk_norm(self) -> bool:
         return self.model_type == "qwen3"
 
+    @property
+    def kv_cache_geometry(self) -> tuple[int, int, int]:
+        """(cache tensors per layer, heads, dim) of one token's cache entry: K and V of the KV
+        heads, or MLA's one latent (K = V)."""
+        if self.mla is not None:
+            return 1, 1, self.mla.latent_dim
+        return 2, self.num_key_value_heads, self.head_dim
+
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike) -> ModelConfig:
         raw = read_config_json(path, "model")
         cfg_file = Path(path) / "config.json"
+        quant = raw.get("quantization_config") or (raw.get("text_config") or {}).get(
+            "quantization_config")
+        if quant:
+            raise ConfigError(f"{cfg_file}: quantized checkpoints "
+                              f"({quant.get('quant_method', 'unknown method')}) are not "
+                              "supported yet; use a bf16/fp16/fp32 checkpoint")
         archs = raw.get("architectures") or []
+        prefix = next((_WRAPPERS[k] for k in [*archs, raw.get("model_type")] if k in _WRAPPERS),
+                      None)
+        if prefix is not None:
+            if not isinstance(raw.get("text_config"), dict):
+                raise ConfigError(f"{cfg_file}: a multimodal wrapper without a text_config")
+            text = {k: raw[k] for k in ("eos_token_id", "bos_token_id") if k in raw}
+            cfg = cls.from_dict({**text, **raw["text_config"]}, "deepseek_v3")
+            cfg.checkpoint_prefix = prefix
+            return cfg
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
-            model_type = raw.get("model_type")
+            model_type = MODEL_TYPE_ALIASES.get(raw.get("model_type"), raw.get("model_type"))
             if not archs and model_type in SUPPORTED_ARCHITECTURES.values():
                 arch = next(k for k, v in SUPPORTED_ARCHITECTURES.items() if v == model_type)
             else:
@@ -180,7 +217,8 @@ class ModelConfig:
                 num_hidden_layers=int(raw["num_hidden_layers"]),
                 num_attention_heads=heads,
                 num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
-                head_dim=int(raw.get("head_dim") or hidden // heads),
+                head_dim=int(raw["qk_rope_head_dim"] if model_type == "deepseek_v3"
+                             else raw.get("head_dim") or hidden // heads),
                 rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
                 max_position_embeddings=int(raw.get("max_position_embeddings", 4096)),
                 tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
@@ -190,6 +228,8 @@ class ModelConfig:
                 dtype=parse_dtype(dtype_name),
                 eos_token_ids=tuple(int(e) for e in eos_ids),
                 bos_token_id=raw.get("bos_token_id"),
+                **(deepseek_fields(raw) if model_type == "deepseek_v3" else {}),
             )
         except KeyError as e:
             raise ConfigError(f"model config is missing required key {e.args[0]!r}") from None
+

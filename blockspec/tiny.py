@@ -102,3 +102,39 @@ def default_demo_model() -> Path:
     if not (path / "config.json").is_file():
         build_tiny_model(path)
     return path
+
+
+def build_tiny_deepseek_v3(out: str | os.PathLike, q_lora_rank: int | None = None,
+                           n_group: int = 1, topk_group: int = 1,
+                           first_k_dense_replace: int = 1, rope_scaling: dict | None = None,
+                           num_layers: int = 3, seed: int = 0, vocab_size: int = 512) -> Path:
+    """Writes a random DeepseekV3ForCausalLM folder (MLA + MoE: 8 routed experts, top 2, one
+    shared) with transformers' own class, which saves the experts one by one as published
+    DeepSeek-V3 / Kimi-K2 checkpoints do. Router correction biases are random, so selection and
+    weighting differ."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    vocab = build_tokenizer(out, vocab_size)
+    cfg = DeepseekV3Config(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=4,
+        n_shared_experts=1, n_routed_experts=8, routed_scaling_factor=2.5, kv_lora_rank=32,
+        q_lora_rank=q_lora_rank, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16,
+        n_group=n_group, topk_group=topk_group, num_experts_per_tok=2,
+        first_k_dense_replace=first_k_dense_replace, norm_topk_prob=True,
+        max_position_embeddings=1024, rms_norm_eps=1e-6, initializer_range=0.25,
+        eos_token_id=0, bos_token_id=None, pad_token_id=0, tie_word_embeddings=False,
+        **({"rope_scaling": rope_scaling} if rope_scaling is not None else {}))
+    torch.manual_seed(seed)
+    model = DeepseekV3ForCausalLM(cfg).to(torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn_like(b) * 0.5)
+    model.save_pretrained(str(out))
+    return out

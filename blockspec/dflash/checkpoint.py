@@ -23,7 +23,7 @@ def unfused_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             prefix, suffix = name.rsplit(".", 2)[0], name.rsplit(".", 1)[1]
             parts = ["q_proj", "k_proj", "v_proj"] if module == "qkv_proj" \
                 else ["gate_proj", "up_proj"]
-            for part, piece in zip(parts, t.split(model.shard_sizes(module), dim=0)):
+            for part, piece in zip(parts, t.split(model.shard_sizes(name), dim=0)):
                 out[f"{prefix}.{part}.{suffix}"] = piece.contiguous()
         else:
             out[name] = t.contiguous()
@@ -44,12 +44,15 @@ def save_drafter(drafter: DFlashDrafter, out: str | os.PathLike) -> Path:
 def new_drafter_config(target: ModelConfig, num_layers: int, block_size: int,
                        mask_token_id: int, target_layer_ids: list[int] | None = None,
                        intermediate_size: int | None = None) -> DFlashConfig:
-    """A drafter geometry matching the target's heads and width (the published recipe)."""
+    """A drafter geometry matching the target's heads and width (the published recipe); an MLA
+    target's heads become plain heads of hidden / heads dims."""
+    head_dim = target.head_dim if target.mla is None \
+        else target.hidden_size // target.num_attention_heads
     geometry = ModelConfig(
         model_type="qwen3", vocab_size=target.vocab_size, hidden_size=target.hidden_size,
         intermediate_size=intermediate_size or target.intermediate_size,
         num_hidden_layers=num_layers, num_attention_heads=target.num_attention_heads,
-        num_key_value_heads=target.num_key_value_heads, head_dim=target.head_dim,
+        num_key_value_heads=target.num_key_value_heads, head_dim=head_dim,
         rms_norm_eps=target.rms_norm_eps, max_position_embeddings=target.max_position_embeddings,
         rope=RopeConfig(**vars(target.rope)), dtype=target.dtype,
     )

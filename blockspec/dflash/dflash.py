@@ -92,9 +92,10 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(g.hidden_size, g.rms_norm_eps)
         self.norm = RMSNorm(g.hidden_size, g.rms_norm_eps)
 
-    def shard_sizes(self, packed: str) -> list[int]:
+    def shard_sizes(self, param: str) -> list[int]:
+        """Rows of each checkpoint tensor packed into parameter `param` (a full name)."""
         g = self.config.geometry
-        if packed == "qkv_proj":
+        if param.split(".")[-2] == "qkv_proj":
             kv = g.num_key_value_heads * g.head_dim
             return [g.num_attention_heads * g.head_dim, kv, kv]
         return [g.intermediate_size, g.intermediate_size]

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import logging
 import time
 
 import torch
@@ -30,12 +32,19 @@ from blockspec.policy.drain import Drain
 from blockspec.policy.step_context import StepContext
 from blockspec.sampling_params import SamplingParams
 
+log = logging.getLogger("blockspec")
+
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
-        self.config = config
         self.model_config = ModelConfig.from_pretrained(config.model)
         mc = self.model_config
+        if mc.moe is not None and not config.enforce_eager and config.device != "cpu":
+            # NOTE: the routed experts' torch path reads which experts were chosen on the host,
+            # which no CUDA graph can capture (a fused-MoE kernel will).
+            log.warning("MoE target: CUDA graphs off (the routed experts run eagerly for now)")
+            config = dataclasses.replace(config, enforce_eager=True)
+        self.config = config
         if config.max_model_len is not None and config.max_model_len > mc.max_position_embeddings:
             raise ConfigError(f"max_model_len {config.max_model_len} exceeds the model's "
                               f"max_position_embeddings {mc.max_position_embeddings}")

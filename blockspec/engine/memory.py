@@ -17,8 +17,8 @@ _GiB = 1 << 30
 
 
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    elem = dtype.itemsize
-    return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
+    tensors, heads, dim = cfg.kv_cache_geometry
+    return tensors * cfg.num_hidden_layers * block_size * heads * dim * dtype.itemsize
 
 
 def profile_activation_bytes(model: CausalLM, num_tokens: int, logit_rows: int,

@@ -122,11 +122,12 @@ class ModelRunner:
     def _bind_kv_cache(self) -> None:
         bm, cfg = self.bm, self.model_cfg
         layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
-        self.kv_cache = torch.zeros(2, len(layers), bm.num_blocks + 1, bm.block_size,
-                                    cfg.num_key_value_heads, cfg.head_dim, dtype=self.dtype,
-                                    device=self.device)
+        tensors, heads, dim = cfg.kv_cache_geometry
+        self.kv_cache = torch.zeros(tensors, len(layers), bm.num_blocks + 1, bm.block_size,
+                                    heads, dim, dtype=self.dtype, device=self.device)
+        # NOTE: an MLA layer's one latent cache is its K and its V cache (tensors == 1).
         for i, layer in enumerate(layers):
-            layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[1, i]
+            layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[tensors - 1, i]
 
     def _init_draft_context(self) -> None:
         """The plain steps' staged drafter context, and the lazy (detached) context."""

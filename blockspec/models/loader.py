@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import logging
+import re
+from collections import Counter
 from pathlib import Path
 
 import torch
@@ -10,12 +13,20 @@ from safetensors import safe_open
 from torch import nn
 
 from blockspec.config import ConfigError, ModelConfig
+from blockspec.models.deepseek_v3 import DeepseekV3ForCausalLM
 from blockspec.models.qwen3 import CausalLM
 
-MODEL_CLASSES: dict[str, type[CausalLM]] = {"qwen3": CausalLM, "llama": CausalLM}
+log = logging.getLogger("blockspec")
+
+MODEL_CLASSES: dict[str, type[CausalLM]] = {"qwen3": CausalLM, "llama": CausalLM,
+                                            "deepseek_v3": DeepseekV3ForCausalLM}
 
 # Present in some checkpoints, recomputed here.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# One routed expert's matrix, as published checkpoints store them (transformers 5 fuses them
+# into experts.gate_up_proj [E, 2I, H] and experts.down_proj [E, H, I], as the model does).
+_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def safetensors_files(path: str | Path) -> list[Path]:
@@ -46,28 +57,59 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str
     return model.eval().requires_grad_(False)
 
 
+def _served_name(key: str, cfg: ModelConfig | None, ignore_prefixes: tuple[str, ...]
+                 ) -> tuple[str | None, str]:
+    """(the model's name for checkpoint tensor `key`, or None, why it is skipped)."""
+    prefix = cfg.checkpoint_prefix if cfg is not None else ""
+    if not key.startswith(prefix):
+        return None, "outside"  # a multimodal wrapper's vision tower and projector
+    name = key[len(prefix):]
+    if name.endswith(_IGNORED_SUFFIXES) or name.startswith(ignore_prefixes):
+        return None, "ignored"
+    m = _LAYER.match(name)
+    if cfg is not None and m is not None and \
+            cfg.num_hidden_layers <= int(m.group(1)) < cfg.num_hidden_layers + cfg.mtp_layers:
+        return None, "mtp"  # DeepSeek-V3's multi-token-prediction layers: not served
+    return name, ""
+
+
 def load_weights(model: nn.Module, path: str | Path, ignore_prefixes: tuple[str, ...] = ()) -> None:
     params = dict(model.named_parameters())
-    packed = getattr(model, "packed_modules", {})
+    cfg = getattr(model, "config", None)
+    cfg = cfg if isinstance(cfg, ModelConfig) else None
     loaded: set[str] = set()
+    skipped: Counter[str] = Counter()
     for file in safetensors_files(path):
         with safe_open(str(file), framework="pt") as f:
-            for name in f.keys():
-                if name.endswith(_IGNORED_SUFFIXES) or name.startswith(ignore_prefixes):
+            for key in f.keys():
+                name, why = _served_name(key, cfg, ignore_prefixes)
+                if name is None:
+                    skipped[why] += 1
                     continue
                 if name == "lm_head.weight" and name not in params:
                     continue  # tied embeddings: the model has no lm_head of its own
                 try:
-                    loaded.add(copy_weight(model, name, f.get_tensor(name), params))
+                    loaded.add(copy_weight(model, name, f.get_tensor(key), params))
                 except KeyError:
                     raise ConfigError(f"unexpected weight {name!r} in {file.name}") from None
+    if skipped["outside"]:
+        log.info("text-only: skipped %d weights outside %r (the wrapper's other modules)",
+                 skipped["outside"], cfg.checkpoint_prefix)
+    if skipped["mtp"]:
+        log.info("skipped %d weights of the multi-token-prediction layers (not served)",
+                 skipped["mtp"])
+    _check_complete(model, params, loaded | _whole_experts(loaded, params), path)
+
+
+def _check_complete(model: nn.Module, params: dict[str, nn.Parameter], loaded: set[str],
+                    path: str | Path) -> None:
+    packed = getattr(model, "packed_modules", {})
     expected = set()
     for name in params:
         module = name.split(".")[-2]
         shards = [k for k, (dst, _) in packed.items() if dst == module]
         expected.update(f"{name}#{i}" for i in range(len(shards))) if shards else expected.add(name)
-    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
-    if tied:
+    if getattr(getattr(model, "config", None), "tie_word_embeddings", False):
         expected.discard("lm_head.weight")
     missing = sorted(expected - loaded)
     if missing:
@@ -81,14 +123,40 @@ def copy_weight(model: nn.Module, name: str, tensor: torch.Tensor,
     (qkv_proj, gate_up_proj). Returns the loaded key (`param#shard` for a shard); KeyError if the
     model has no such parameter, ConfigError on a shape mismatch."""
     params = dict(model.named_parameters()) if params is None else params
+    expert = _EXPERT.match(name)
+    if expert is not None:
+        return _copy_expert(expert, tensor, params)
     target, shard = _map_name(name, getattr(model, "packed_modules", {}))
     param = params[target]
     if shard is None:
         _copy(param.data, tensor, name)
         return target
-    sizes = model.shard_sizes(target.split(".")[-2])
+    sizes = model.shard_sizes(target)
     _copy(param.data.narrow(0, sum(sizes[:shard]), sizes[shard]), tensor, name)
     return f"{target}#{shard}"
+
+
+def _copy_expert(m: re.Match, tensor: torch.Tensor, params: dict[str, nn.Parameter]) -> str:
+    """One expert's gate/up/down matrix into its row of the fused expert tensors."""
+    prefix, e, proj = m.group(1), int(m.group(2)), m.group(3)
+    target = f"{prefix}.down_proj" if proj == "down_proj" else f"{prefix}.gate_up_proj"
+    dst = params[target].data[e]
+    if proj != "down_proj":
+        half = dst.shape[0] // 2
+        dst = dst.narrow(0, 0 if proj == "gate_proj" else half, half)
+    _copy(dst, tensor, m.group(0))
+    return f"{target}#{e}.{proj}"
+
+
+def _whole_experts(loaded: set[str], params: dict[str, nn.Parameter]) -> set[str]:
+    """Fused expert tensors every one of whose experts' matrices was loaded."""
+    whole = set()
+    for name, p in params.items():
+        parts = {"experts.gate_up_proj": ("gate_proj", "up_proj"),
+                 "experts.down_proj": ("down_proj",)}.get(".".join(name.split(".")[-2:]))
+        if parts and all(f"{name}#{e}.{q}" in loaded for e in range(p.shape[0]) for q in parts):
+            whole.add(name)
+    return whole
 
 
 def _map_name(name: str, packed: dict[str, tuple[str, int]]) -> tuple[str, int | None]:

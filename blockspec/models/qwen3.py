@@ -52,19 +52,19 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.intermediate_size = cfg.intermediate_size
-        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size,
+        self.intermediate_size = intermediate_size or cfg.intermediate_size
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * self.intermediate_size,
                                    bias=cfg.mlp_bias)
-        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.down_proj = Linear(self.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, index: int = 0) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, rotary)
         self.mlp = MLP(cfg)
@@ -75,12 +75,16 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """The layers of `layer_cls(cfg, rotary, index)`; each has input_layernorm, self_attn,
+    post_attention_layernorm and mlp."""
+
+    def __init__(self, cfg: ModelConfig, layer_cls: type[nn.Module] = DecoderLayer) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         # NOTE: one rotary table shared by all layers (it is a buffer, not a weight).
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(layer_cls(cfg, rotary, i)
+                                    for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -142,10 +146,12 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
-    def shard_sizes(self, packed: str) -> list[int]:
+    def shard_sizes(self, param: str) -> list[int]:
+        """Rows of each checkpoint tensor packed into parameter `param` (a full name)."""
         cfg = self.config
-        if packed == "qkv_proj":
+        if param.split(".")[-2] == "qkv_proj":
             q = cfg.num_attention_heads * cfg.head_dim
             kv = cfg.num_key_value_heads * cfg.head_dim
             return [q, kv, kv]
-        return [cfg.intermediate_size, cfg.intermediate_size]
+        rows = self.get_parameter(param).shape[0]
+        return [rows // 2, rows // 2]  # gate_up_proj

@@ -1,0 +1,161 @@
+"""DeepSeek-V3 / Kimi-K2 decoder: multi-head latent attention (MLA) and mixture-of-experts MLPs.
+
+MLA caches one latent per token and layer: the normed `kv_lora_rank` compression of the keys and
+values and the roped `qk_rope_head_dim` key shared by all heads (576 values for DeepSeek-V3 and
+Kimi-K2). Attention runs absorbed: each head's query no-rope part is mapped into the latent space
+(q_nope @ W_UK), so every head attends over the same cached latents (one KV head, K = V = the
+latent; the rope part of the value is dropped), and the output leaves the latent space through
+W_UV. That serves prefill, decode and verify alike from the paged latent cache.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from blockspec.config import ModelConfig
+from blockspec.layers.attention import AttentionMetadata, PagedAttention
+from blockspec.layers.fused import rms_norm
+from blockspec.layers.linear import Linear
+from blockspec.layers.moe import experts_reference, select_experts
+from blockspec.layers.norm import RMSNorm
+from blockspec.layers.rotary import RotaryEmbedding, yarn_mscale
+from blockspec.models.qwen3 import MLP, CausalLM, DecoderModel
+
+
+def mla_softmax_scale(cfg: ModelConfig) -> float:
+    """qk_head_dim^-0.5, times mscale(factor, mscale_all_dim)^2 under YaRN (DeepSeek's rule)."""
+    mla, rope = cfg.mla, cfg.rope
+    scale = (mla.qk_nope_head_dim + mla.qk_rope_head_dim) ** -0.5
+    if rope.rope_type != "default" and rope.mscale_all_dim:
+        scale *= yarn_mscale(rope.factor, rope.mscale_all_dim) ** 2
+    return scale
+
+
+class MLAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        mla = cfg.mla
+        self.num_heads, self.mla = cfg.num_attention_heads, mla
+        self.qk_head_dim = mla.qk_nope_head_dim + mla.qk_rope_head_dim
+        q_out = self.num_heads * self.qk_head_dim
+        if mla.q_lora_rank is None:
+            self.q_proj = Linear(cfg.hidden_size, q_out, bias=False)
+        else:
+            self.q_a_proj = Linear(cfg.hidden_size, mla.q_lora_rank, bias=cfg.attention_bias)
+            self.q_a_layernorm = RMSNorm(mla.q_lora_rank, cfg.rms_norm_eps)
+            self.q_b_proj = Linear(mla.q_lora_rank, q_out, bias=False)
+        self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, mla.kv_lora_rank + mla.qk_rope_head_dim,
+                                         bias=cfg.attention_bias)
+        self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, cfg.rms_norm_eps)
+        self.kv_b_proj = Linear(mla.kv_lora_rank,
+                                self.num_heads * (mla.qk_nope_head_dim + mla.v_head_dim),
+                                bias=False)
+        self.o_proj = Linear(self.num_heads * mla.v_head_dim, cfg.hidden_size,
+                             bias=cfg.attention_bias)
+        self.rotary = rotary
+        # NOTE: one latent "KV head"; the runner binds the same tensor as K and V cache.
+        self.attn = PagedAttention(self.num_heads, 1, mla.latent_dim, mla_softmax_scale(cfg))
+
+    def _queries(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mla.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            norm = self.q_a_layernorm
+            q = self.q_b_proj(rms_norm(self.q_a_proj(x), norm.weight, norm.eps))
+        return q.view(-1, self.num_heads, self.qk_head_dim)
+
+    def _rope(self, positions: torch.Tensor, q_pe: torch.Tensor, k_pe: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.mla.rope_interleave:
+            # NOTE: DeepSeek's weights pair dims (0, 1), (2, 3), ...: evens then odds is the
+            # rotate-half layout; q and k move alike, so their dot products are unchanged.
+            q_pe = torch.cat([q_pe[..., 0::2], q_pe[..., 1::2]], dim=-1)
+            k_pe = torch.cat([k_pe[..., 0::2], k_pe[..., 1::2]], dim=-1)
+        return self.rotary(positions, q_pe, k_pe)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor,
+                meta: AttentionMetadata) -> torch.Tensor:
+        mla, h = self.mla, self.num_heads
+        q_nope, q_pe = self._queries(x).split([mla.qk_nope_head_dim, mla.qk_rope_head_dim], -1)
+        latent, k_pe = self.kv_a_proj_with_mqa(x).split([mla.kv_lora_rank, mla.qk_rope_head_dim],
+                                                        dim=-1)
+        norm = self.kv_a_layernorm
+        latent = rms_norm(latent.contiguous(), norm.weight, norm.eps)
+        q_pe, k_pe = self._rope(positions, q_pe, k_pe[:, None, :])
+        w_uk, w_uv = self.kv_b_proj.weight.view(h, -1, mla.kv_lora_rank).split(
+            [mla.qk_nope_head_dim, mla.v_head_dim], dim=1)
+        q = torch.cat([torch.einsum("thn,hnl->thl", q_nope, w_uk), q_pe], dim=-1)
+        entry = torch.cat([latent[:, None, :], k_pe], dim=-1)
+        out = self.attn(q, entry, entry, meta)[..., :mla.kv_lora_rank]
+        out = torch.einsum("thl,hvl->thv", out, w_uv)
+        return self.o_proj(out.reshape(-1, h * mla.v_head_dim))
+
+
+class TopkRouter(nn.Module):
+    """HF's parameter names: `weight` [E, H] (fp32 in HF), `e_score_correction_bias` [E]."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        e = cfg.moe.num_experts
+        self.weight = nn.Parameter(torch.empty(e, cfg.hidden_size, dtype=torch.float32))
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(e, dtype=torch.float32))
+
+
+class Experts(nn.Module):
+    """Every routed expert's weights in two tensors (transformers 5's layout): gate_up_proj
+    [E, 2I, H] (gate rows first), down_proj [E, H, I]."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        moe = cfg.moe
+        self.gate_up_proj = nn.Parameter(torch.empty(moe.num_experts,
+                                                     2 * moe.moe_intermediate_size,
+                                                     cfg.hidden_size))
+        self.down_proj = nn.Parameter(torch.empty(moe.num_experts, cfg.hidden_size,
+                                                  moe.moe_intermediate_size))
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.moe = cfg.moe
+        self.gate = TopkRouter(cfg)
+        self.experts = Experts(cfg)
+        self.shared_experts = MLP(cfg, cfg.moe.moe_intermediate_size * cfg.moe.n_shared_experts) \
+            if cfg.moe.n_shared_experts else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        moe = self.moe
+        # NOTE: the router in fp32, as HF computes it, so every dtype picks the same experts
+        logits = F.linear(x.float(), self.gate.weight.float())
+        weights, ids = select_experts(logits, self.gate.e_score_correction_bias,
+                                      moe.num_experts_per_tok, moe.n_group, moe.topk_group,
+                                      moe.norm_topk_prob, moe.routed_scaling_factor)
+        out = experts_reference(x, weights.to(x.dtype), ids, self.experts.gate_up_proj,
+                                self.experts.down_proj)
+        return out + self.shared_experts(x) if self.shared_experts is not None else out
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, index: int) -> None:
+        super().__init__()
+        self.self_attn = MLAttention(cfg, rotary)
+        self.mlp = MoE(cfg) if cfg.moe.is_moe_layer(index) else MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class DeepseekV3ForCausalLM(CausalLM):
+    """DeepseekV3ForCausalLM (also Kimi-K2's) with HF parameter names (after gate/up fusion)."""
+
+    packed_modules = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        nn.Module.__init__(self)
+        self.config = cfg
+        self.model = DecoderModel(cfg, DecoderLayer)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight

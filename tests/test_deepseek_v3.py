@@ -1,0 +1,214 @@
+"""DeepSeek-V3 / Kimi-K2 targets (MLA attention over a paged latent cache, MoE MLPs) against HF
+transformers' own DeepseekV3ForCausalLM on tiny random checkpoints it wrote, fp32."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import PagedCache
+from safetensors.torch import load_file, save_file
+
+from blockspec import LLM, SamplingParams
+from blockspec.config import ModelConfig
+from blockspec.models.loader import load_model
+from blockspec.tiny import build_tiny_deepseek_v3
+
+TOL = dict(atol=1e-4, rtol=1e-4)
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256,
+        "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
+CASES = {
+    "no_q_lora": {},
+    "q_lora_groups": {"q_lora_rank": 24, "n_group": 4, "topk_group": 2},
+    "yarn_two_dense": {"rope_scaling": YARN, "first_k_dense_replace": 2, "num_layers": 4},
+}
+
+
+@pytest.fixture(scope="module", params=sorted(CASES))
+def ds_path(request, tmp_path_factory) -> Path:
+    return build_tiny_deepseek_v3(tmp_path_factory.mktemp(request.param),
+                                  **CASES[request.param], seed=len(request.param))
+
+
+@pytest.fixture(scope="module")
+def hf(ds_path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(ds_path), dtype=torch.float32).eval()
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    return torch.randint(1, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def test_config_reads_mla_and_moe(ds_path):
+    cfg = ModelConfig.from_pretrained(ds_path)
+    raw = json.loads((ds_path / "config.json").read_text())
+    assert cfg.model_type == "deepseek_v3" and cfg.head_dim == raw["qk_rope_head_dim"]
+    assert cfg.mla.kv_lora_rank == 32 and cfg.mla.latent_dim == 40
+    assert cfg.mla.q_lora_rank == raw["q_lora_rank"] and cfg.mla.rope_interleave
+    assert (cfg.moe.num_experts, cfg.moe.num_experts_per_tok, cfg.moe.n_shared_experts) == (8, 2, 1)
+    assert cfg.moe.first_k_dense_replace == raw["first_k_dense_replace"]
+    assert cfg.kv_cache_geometry == (1, 1, 40)  # one latent per token and layer
+
+
+@torch.no_grad()
+def test_prefill_and_decode_logits_match_hf(ds_path, hf):
+    model = load_model(ds_path, ModelConfig.from_pretrained(ds_path), torch.float32, "cpu")
+    ids = prompt(70)
+    ref = hf(torch.tensor([ids])).logits[0]
+    cache = PagedCache(model)
+    table = [5, 1, 9, 3, 7]
+    (first,), _ = cache.forward([(table, 0, ids[:50])])
+    (rest,), _ = cache.forward([(table, 50, ids[50:])])  # over the cached latents
+    torch.testing.assert_close(torch.cat([first, rest]), ref, **TOL)
+    assert ref.abs().max() > 1.0 and not torch.allclose(ref[0], ref[-1], atol=1e-2)
+
+
+def fused_copy(src: Path, dst: Path) -> Path:
+    """The same checkpoint with each layer's experts in transformers 5's two fused tensors."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    tensors = load_file(str(src / "model.safetensors"))
+    out, experts = {}, {}
+    for name, t in tensors.items():
+        if ".mlp.experts." in name:
+            prefix, rest = name.split(".mlp.experts.")
+            e, proj = rest.split(".")[:2]
+            experts.setdefault(prefix, {}).setdefault(int(e), {})[proj] = t
+        else:
+            out[name] = t
+    for prefix, by_e in experts.items():
+        order = sorted(by_e)
+        out[f"{prefix}.mlp.experts.gate_up_proj"] = torch.stack(
+            [torch.cat([by_e[e]["gate_proj"], by_e[e]["up_proj"]]) for e in order])
+        out[f"{prefix}.mlp.experts.down_proj"] = torch.stack([by_e[e]["down_proj"] for e in order])
+    save_file(out, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def test_both_expert_layouts_load_the_same_weights(ds_path, tmp_path):
+    cfg = ModelConfig.from_pretrained(ds_path)
+    a = load_model(ds_path, cfg, torch.float32, "cpu")
+    b = load_model(fused_copy(ds_path, tmp_path / "fused"), cfg, torch.float32, "cpu")
+    for (name, p), (_, q) in zip(a.named_parameters(), b.named_parameters()):
+        assert torch.equal(p, q), name
+
+
+def test_greedy_generation_matches_hf_generate(ds_path, hf):
+    prompts = [prompt(n, seed=n) for n in (5, 33, 70)]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    llm = LLM(str(ds_path), device="cpu", num_kv_blocks=64, max_num_seqs=2)
+    got = [o.token_ids for o in llm.generate(prompts, params)]
+    ref = [hf.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False, eos_token_id=None,
+                       pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    assert got == ref
+
+
+@pytest.fixture(scope="module")
+def moe_pair(tmp_path_factory) -> tuple[Path, Path]:
+    from blockspec.dflash.checkpoint import build_random_drafter
+
+    root = tmp_path_factory.mktemp("moe_pair")
+    target = build_tiny_deepseek_v3(root / "target", q_lora_rank=24, n_group=4, topk_group=2,
+                                    seed=3)
+    return target, build_random_drafter(root / "drafter", target, num_layers=2, block_size=8)
+
+
+def test_dflash_greedy_equals_autoregressive_on_the_moe_target(moe_pair):
+    """Blocks of 2, 4 and 8 verified over the latent cache, with preemption (a cache of 9
+    blocks), chunked prefills beside decodes and prefix-cache hits (a shared prompt head)."""
+    from helpers import force_block_lens
+
+    target, drafter = moe_pair
+    shared = prompt(40)
+    prompts = [shared + prompt(n, seed=n) for n in (3, 17, 30)] + [prompt(9, 9), prompt(55, 5)]
+    params = [SamplingParams(temperature=0, max_tokens=10 + 7 * i, ignore_eos=True)
+              for i in range(len(prompts))]
+    ref = [o.token_ids for o in LLM(str(target), device="cpu", num_kv_blocks=64)
+           .generate(prompts, params)]
+    llm = LLM(str(target), device="cpu", draft=str(drafter), speculation_policy="fixed",
+              cost_profile="none", num_kv_blocks=9, max_num_seqs=3, max_num_batched_tokens=64)
+    force_block_lens(llm, [2, 4, 8])
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == ref
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert sum(o.metrics.num_cached_tokens for o in outs) > 0
+    assert set(llm.engine.spec_stats.block_len_steps) >= {2, 4, 8}
+
+
+def kimi_k25_copy(src: Path, dst: Path) -> Path:
+    """The checkpoint as Kimi-K2.5/K2.6 publish theirs: the text model's config under
+    text_config (model_type kimi_k2), its weights under language_model., and a vision tower and
+    projector beside it."""
+    import shutil
+
+    shutil.copytree(src, dst)
+    text = json.loads((src / "config.json").read_text())
+    text["model_type"] = "kimi_k2"
+    text.pop("architectures", None)
+    (dst / "config.json").write_text(json.dumps({
+        "architectures": ["KimiK25ForConditionalGeneration"], "model_type": "kimi_k25",
+        "text_config": text, "vision_config": {"hidden_size": 8}}))
+    tensors = {f"language_model.{k}": v for k, v in
+               load_file(str(src / "model.safetensors")).items()}
+    tensors["vision_tower.patch_embed.proj.weight"] = torch.randn(8, 3, 2, 2)
+    tensors["mm_projector.proj.0.weight"] = torch.randn(64, 32)
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def test_kimi_k25_wrapper_generates_the_same_tokens(moe_pair, tmp_path, caplog):
+    target = moe_pair[0]
+    wrapped = kimi_k25_copy(target, tmp_path / "kimi")
+    cfg = ModelConfig.from_pretrained(wrapped)
+    assert cfg.model_type == "deepseek_v3" and cfg.checkpoint_prefix == "language_model."
+    prompts = [prompt(12, 1), prompt(40, 2)]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    with caplog.at_level("INFO", logger="blockspec"):
+        got = [o.token_ids for o in LLM(str(wrapped), device="cpu", num_kv_blocks=32)
+               .generate(prompts, params)]
+    assert "text-only: skipped 2 weights outside 'language_model.'" in caplog.text
+    ref = [o.token_ids for o in LLM(str(target), device="cpu", num_kv_blocks=32)
+           .generate(prompts, params)]
+    assert got == ref
+
+
+def test_multi_token_prediction_layers_are_skipped(moe_pair, tmp_path):
+    """DeepSeek-V3 stores its MTP module as layer num_hidden_layers: skipped, not served; a
+    layer past it is still an unexpected weight."""
+    import shutil
+
+    from blockspec.errors import ConfigError
+
+    target = moe_pair[0]
+    for extra, ok in ((0, True), (1, False)):
+        dst = tmp_path / f"mtp{extra}"
+        shutil.copytree(target, dst)
+        raw = json.loads((dst / "config.json").read_text())
+        raw["num_nextn_predict_layers"] = 1
+        (dst / "config.json").write_text(json.dumps(raw))
+        tensors = load_file(str(dst / "model.safetensors"))
+        layer = raw["num_hidden_layers"] + extra
+        tensors[f"model.layers.{layer}.eh_proj.weight"] = torch.zeros(64, 128)
+        save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+        cfg = ModelConfig.from_pretrained(dst)
+        if ok:
+            load_model(dst, cfg, torch.float32, "cpu")
+        else:
+            with pytest.raises(ConfigError, match="unexpected weight"):
+                load_model(dst, cfg, torch.float32, "cpu")
+
+
+def test_quantized_checkpoints_are_refused_by_name(moe_pair, tmp_path):
+    from blockspec.errors import ConfigError
+
+    wrapped = kimi_k25_copy(moe_pair[0], tmp_path / "kimi")
+    raw = json.loads((wrapped / "config.json").read_text())
+    raw["quantization_config"] = {"quant_method": "compressed-tensors"}
+    (wrapped / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ConfigError, match="compressed-tensors.*not supported yet"):
+        ModelConfig.from_pretrained(wrapped)
