@@ -67,6 +67,19 @@ def test_prefill_and_decode_logits_match_hf(ds_path, hf):
     assert ref.abs().max() > 1.0 and not torch.allclose(ref[0], ref[-1], atol=1e-2)
 
 
+@torch.no_grad()
+def test_triton_experts_give_the_same_logits(ds_path, hf):
+    """The MoE layers' grouped-GEMM experts (Triton, interpreted here) in the whole model."""
+    model = load_model(ds_path, ModelConfig.from_pretrained(ds_path), torch.float32, "cpu")
+    moes = [m for m in model.modules() if hasattr(m, "experts_backend")]
+    assert moes
+    for m in moes:
+        m.experts_backend = "triton"
+    ids = prompt(40, seed=4)
+    (logits,), _ = PagedCache(model).forward([([2, 0, 4], 0, ids)])
+    torch.testing.assert_close(logits, hf(torch.tensor([ids])).logits[0], **TOL)
+
+
 def fused_copy(src: Path, dst: Path) -> Path:
     """The same checkpoint with each layer's experts in transformers 5's two fused tensors."""
     import shutil
@@ -212,3 +225,20 @@ def test_quantized_checkpoints_are_refused_by_name(moe_pair, tmp_path):
     (wrapped / "config.json").write_text(json.dumps(raw))
     with pytest.raises(ConfigError, match="compressed-tensors.*not supported yet"):
         ModelConfig.from_pretrained(wrapped)
+
+
+def test_distinct_experts_per_layer_forward_are_counted(moe_pair):
+    """/metrics' blockspec_moe_experts_selected / _layer_forwards: every MoE layer forward of
+    every step counted once, a one-token forward selects top_k = 2 experts, a prefill more."""
+    from blockspec.server.engine_stats import EngineStats
+
+    target = moe_pair[0]
+    llm = LLM(str(target), device="cpu", num_kv_blocks=32)
+    llm.generate([prompt(30, 7)], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    stats = EngineStats.of(llm.engine)
+    cfg = llm.engine.model_config
+    moe_layers = sum(cfg.moe.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+    steps = sum(llm.engine.runner.path_steps.values())
+    assert stats.moe_layer_forwards == moe_layers * steps == moe_layers * 12
+    assert 2 * stats.moe_layer_forwards < stats.moe_experts_selected \
+        <= 2 * stats.moe_layer_forwards + moe_layers * (cfg.moe.num_experts - 2)

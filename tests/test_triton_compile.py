@@ -26,6 +26,7 @@ def compile_sm90(fn, constexprs: dict, pointers: dict) -> dict:
 def main() -> int:
     import triton.language as tl
 
+    import blockspec.layers.fused_moe as moe
     import blockspec.layers.triton_attention as ta
     import blockspec.layers.triton_kv_store as kv
 
@@ -47,6 +48,12 @@ def main() -> int:
     store = dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=16, H_PAD=8, D_PAD=128)
     assert "cubin" in compile_sm90(kv._store_kv_kernel, store, dict(
         k_ptr="*bf16", v_ptr="*bf16", k_cache_ptr="*bf16", v_cache_ptr="*bf16", slot_ptr="*i64"))
+    for per_token, scale in ((True, False), (False, True)):
+        consts = dict(TOP_K=8, A_PER_TOKEN=per_token, SCALE=scale, NUM_EXPERTS=384,
+                      BLOCK_M=moe.BLOCK_M, BLOCK_N=64, BLOCK_K=64)
+        assert "cubin" in compile_sm90(moe._grouped_gemm, consts, dict(
+            a_ptr="*bf16", w_ptr="*bf16", c_ptr="*bf16", scale_ptr="*fp32", sorted_ptr="*i64",
+            tile_expert_ptr="*i64"))
     print("compiled")
     return 0
 

@@ -40,8 +40,8 @@ class LLMEngine:
         self.model_config = ModelConfig.from_pretrained(config.model)
         mc = self.model_config
         if mc.moe is not None and not config.enforce_eager and config.device != "cpu":
-            # NOTE: the routed experts' torch path reads which experts were chosen on the host,
-            # which no CUDA graph can capture (a fused-MoE kernel will).
+            # NOTE: the torch experts read the router's choice on the host (no graph captures
+            # that); the grouped GEMMs (layers/fused_moe.py) await a GPU check in graphs.
             log.warning("MoE target: CUDA graphs off (the routed experts run eagerly for now)")
             config = dataclasses.replace(config, enforce_eager=True)
         self.config = config
@@ -101,10 +101,13 @@ class LLMEngine:
         # stragglers (SpeculationPolicy.rates). A server never sets it.
         self.closed_batch = False
         self.finish_seconds = 0.0  # the last step's time spent finishing requests (_commit)
+        if hasattr(self.model, "reset_expert_counts"):
+            self.model.reset_expert_counts()  # NOTE: the memory profile's forwards counted too
 
     def _set_backends(self, drafter: torch.nn.Module | None) -> None:
         """The attention and linear backends ("auto": Triton on CUDA, torch on CPU) into every
-        PagedAttention and Linear of the target and the drafter, in one walk."""
+        PagedAttention and Linear of the target and the drafter, in one walk; a MoE layer's
+        routed experts (`experts_backend`) follow the linear backend."""
         auto = "triton" if self.device.type == "cuda" else "torch"
         cfg = self.config
         self.attention_backend = auto if cfg.attention_backend == "auto" \
@@ -117,6 +120,8 @@ class LLMEngine:
                     m.backend = attention
                 elif isinstance(m, Linear):
                     m.backend = self.linear_backend
+                elif hasattr(m, "experts_backend"):
+                    m.experts_backend = self.linear_backend
 
     # -- requests -------------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:

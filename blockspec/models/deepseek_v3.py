@@ -17,6 +17,7 @@ from torch import nn
 from blockspec.config import ModelConfig
 from blockspec.layers.attention import AttentionMetadata, PagedAttention
 from blockspec.layers.fused import rms_norm
+from blockspec.layers.fused_moe import fused_experts
 from blockspec.layers.linear import Linear
 from blockspec.layers.moe import experts_reference, select_experts
 from blockspec.layers.norm import RMSNorm
@@ -125,6 +126,12 @@ class MoE(nn.Module):
         self.experts = Experts(cfg)
         self.shared_experts = MLP(cfg, cfg.moe.moe_intermediate_size * cfg.moe.n_shared_experts) \
             if cfg.moe.n_shared_experts else None
+        # "torch" (experts_reference) or "triton" (the grouped GEMMs); the engine sets it.
+        self.experts_backend = "torch"
+        # [distinct experts the forwards' tokens selected, forwards], summed on the device (no
+        # host sync; a graph captures the adds) and read by the engine after a step.
+        self.register_buffer("expert_counts", torch.zeros(2, dtype=torch.int64),
+                             persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         moe = self.moe
@@ -133,8 +140,12 @@ class MoE(nn.Module):
         weights, ids = select_experts(logits, self.gate.e_score_correction_bias,
                                       moe.num_experts_per_tok, moe.n_group, moe.topk_group,
                                       moe.norm_topk_prob, moe.routed_scaling_factor)
-        out = experts_reference(x, weights.to(x.dtype), ids, self.experts.gate_up_proj,
-                                self.experts.down_proj)
+        hit = torch.zeros(moe.num_experts, dtype=torch.bool, device=ids.device)
+        self.expert_counts[0] += hit.index_fill_(0, ids.reshape(-1), True).sum()
+        self.expert_counts[1] += 1
+        experts = fused_experts if self.experts_backend == "triton" else experts_reference
+        out = experts(x, weights.to(x.dtype), ids, self.experts.gate_up_proj,
+                      self.experts.down_proj)
         return out + self.shared_experts(x) if self.shared_experts is not None else out
 
 
@@ -159,3 +170,13 @@ class DeepseekV3ForCausalLM(CausalLM):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def expert_counts(self) -> torch.Tensor:
+        """[distinct routed experts selected, MoE layer forwards], summed over every MoE layer
+        (distinct experts per layer per forward = the first over the second)."""
+        return torch.stack([m.expert_counts for m in self.modules() if isinstance(m, MoE)]).sum(0)
+
+    def reset_expert_counts(self) -> None:
+        for m in self.modules():
+            if isinstance(m, MoE):
+                m.expert_counts.zero_()

@@ -27,11 +27,16 @@ class EngineStats:
     steps_by_path: tuple[tuple[str, int], ...] = ()  # (Plan.path, engine steps)
     num_prompt_tokens: int = 0  # prompt tokens prefilled (prefix-cache hits left out), in all
     num_generation_tokens: int = 0  # tokens generated, in all
+    # MoE targets: distinct routed experts selected, summed over MoE layer forwards (and those)
+    moe_experts_selected: int = 0
+    moe_layer_forwards: int = 0
 
     @classmethod
     def of(cls, eng: LLMEngine, num_step_failures: int = 0) -> EngineStats:
         """Engine thread: the snapshot after an iteration."""
         spec = eng.spec_stats
+        counts = eng.model.expert_counts().tolist() if hasattr(eng.model, "expert_counts") \
+            else (0, 0)
         return cls(
             num_running=len(eng.scheduler.running), num_waiting=len(eng.scheduler.waiting),
             num_used_blocks=eng.block_manager.num_used_blocks,
@@ -45,4 +50,5 @@ class EngineStats:
             num_step_failures=num_step_failures,
             steps_by_path=tuple(sorted(eng.runner.path_steps.items())),
             num_prompt_tokens=eng.outputs.num_prompt_tokens,
-            num_generation_tokens=eng.outputs.num_generation_tokens)
+            num_generation_tokens=eng.outputs.num_generation_tokens,
+            moe_experts_selected=counts[0], moe_layer_forwards=counts[1])

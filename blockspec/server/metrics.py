@@ -69,6 +69,13 @@ class _EngineCollector(Collector):
             for j, v in enumerate(values):
                 fam.add_metric([str(j)], v)
             yield fam
+        # NOTE: a MoE target's distinct experts per layer per forward = selected / forwards: what
+        # a step reads of the experts (a verify block selects many more than one token).
+        yield CounterMetricFamily("blockspec_moe_experts_selected",
+                                  "Distinct routed experts selected, summed over MoE layer "
+                                  "forwards", value=s.moe_experts_selected)
+        yield CounterMetricFamily("blockspec_moe_layer_forwards", "MoE layer forwards",
+                                  value=s.moe_layer_forwards)
         # NOTE: engine steps by the block length the speculation policy ran (1 = plain decode).
         fam = CounterMetricFamily("blockspec_spec_decode_block_len_steps",
                                   "Decode steps by block length (1 = plain decode)",
