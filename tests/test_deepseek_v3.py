@@ -242,3 +242,15 @@ def test_distinct_experts_per_layer_forward_are_counted(moe_pair):
     assert stats.moe_layer_forwards == moe_layers * steps == moe_layers * 12
     assert 2 * stats.moe_layer_forwards < stats.moe_experts_selected \
         <= 2 * stats.moe_layer_forwards + moe_layers * (cfg.moe.num_experts - 2)
+
+
+def test_mla_attention_stays_on_the_torch_backend(moe_pair, caplog):
+    """The generic Triton kernel cannot hold a 576-wide latent for 64+ heads on a GPU: an MLA
+    target's attention runs the torch backend, with one warning."""
+    from blockspec.layers.attention import PagedAttention
+
+    with caplog.at_level("WARNING", logger="blockspec"):
+        llm = LLM(str(moe_pair[0]), device="cpu", attention_backend="triton", num_kv_blocks=16)
+    assert "MLA target: attention runs on the torch backend" in caplog.text
+    assert {m.backend.name for m in llm.engine.model.modules()
+            if isinstance(m, PagedAttention)} == {"torch"}

@@ -13,6 +13,7 @@ from blockspec.config import ConfigError, EngineConfig, ModelConfig
 from blockspec.dflash.metrics import SpecStats
 from blockspec.dflash.proposer import DFlashProposer, load_drafter
 from blockspec.engine.admission import check_token_ids, resolve_max_tokens, tokenize
+from blockspec.engine.backends import set_backends
 from blockspec.engine.detokenizer import IncrementalDetokenizer, eos_token_ids, load_tokenizer
 from blockspec.engine.kv_cache import BlockManager
 from blockspec.engine.memory import decide_num_blocks, kv_bytes_per_block, outside_kv_bytes
@@ -23,9 +24,7 @@ from blockspec.engine.sequence import Sequence
 from blockspec.engine.speculation import resolve_block_lens
 from blockspec.engine.step_error import StepError
 from blockspec.engine.step_result import StepResult, StepTimings
-from blockspec.layers.attention import PagedAttention, get_backend
 from blockspec.layers.counter_rng import derive_seed
-from blockspec.layers.linear import Linear
 from blockspec.models.loader import load_model
 from blockspec.outputs import RequestOutput
 from blockspec.policy.drain import Drain
@@ -71,7 +70,8 @@ class LLMEngine:
             # NOTE: the drafter's pool shares the block ids: each block costs both pools' bytes.
             per_block += kv_bytes_per_block(drafter.config.geometry, config.kv_block_size,
                                             self.dtype)
-        self._set_backends(drafter)
+        self.attention_backend, self.linear_backend = set_backends(
+            self.model, drafter, config, mc, self.device)
         activation = 0
         if self.device.type == "cuda" and config.num_kv_blocks is None \
                 and config.kv_cache_memory_gb is None:
@@ -103,25 +103,6 @@ class LLMEngine:
         self.finish_seconds = 0.0  # the last step's time spent finishing requests (_commit)
         if hasattr(self.model, "reset_expert_counts"):
             self.model.reset_expert_counts()  # NOTE: the memory profile's forwards counted too
-
-    def _set_backends(self, drafter: torch.nn.Module | None) -> None:
-        """The attention and linear backends ("auto": Triton on CUDA, torch on CPU) into every
-        PagedAttention and Linear of the target and the drafter, in one walk; a MoE layer's
-        routed experts (`experts_backend`) follow the linear backend."""
-        auto = "triton" if self.device.type == "cuda" else "torch"
-        cfg = self.config
-        self.attention_backend = auto if cfg.attention_backend == "auto" \
-            else cfg.attention_backend
-        self.linear_backend = auto if cfg.linear_backend == "auto" else cfg.linear_backend
-        attention = get_backend(self.attention_backend)
-        for model in (self.model, drafter):
-            for m in model.modules() if model is not None else ():
-                if isinstance(m, PagedAttention):
-                    m.backend = attention
-                elif isinstance(m, Linear):
-                    m.backend = self.linear_backend
-                elif hasattr(m, "experts_backend"):
-                    m.experts_backend = self.linear_backend
 
     # -- requests -------------------------------------------------------------------------------
     def tokenize(self, prompt: str | list[int]) -> list[int]:
