@@ -135,7 +135,7 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         moe = self.moe
-        # NOTE: the router in fp32, as HF computes it, so every dtype picks the same experts
+        # NOTE: the router in fp32, as HF computes it (bf16 logits would change the picks)
         logits = F.linear(x.float(), self.gate.weight.float())
         weights, ids = select_experts(logits, self.gate.e_score_correction_bias,
                                       moe.num_experts_per_tok, moe.n_group, moe.topk_group,
