@@ -87,12 +87,17 @@ def build_tiny_model(
         raise ValueError(f"unknown tiny arch {arch!r}")
     torch.manual_seed(seed)
     model = cls(cfg).to(torch.float32)
-    with torch.no_grad():  # RMSNorm weights init to 1; perturb them so the tests see them.
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
+    _perturb_norms(model)
     model.save_pretrained(str(out))
     return out
+
+
+@torch.no_grad()
+def _perturb_norms(model: torch.nn.Module) -> None:
+    """RMSNorm weights init to 1; perturb them so the tests see them."""
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            p.add_(torch.randn_like(p) * 0.1)
 
 
 def default_demo_model() -> Path:
@@ -129,10 +134,8 @@ def build_tiny_deepseek_v3(out: str | os.PathLike, q_lora_rank: int | None = Non
         **({"rope_scaling": rope_scaling} if rope_scaling is not None else {}))
     torch.manual_seed(seed)
     model = DeepseekV3ForCausalLM(cfg).to(torch.float32)
+    _perturb_norms(model)
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(torch.randn_like(p) * 0.1)
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(torch.randn_like(b) * 0.5)

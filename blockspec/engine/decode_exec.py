@@ -135,8 +135,9 @@ class BlockDrafts:
             self.graphs[L] = GraphedDecodeStep(self.steps[L], self.bufs, buckets)
             self.graphs[L].capture(pool, stream)
 
-    def holds(self, n: int, L: int) -> bool:
-        return L in self.steps and n <= self.bufs.last_tokens.shape[0]
+    def holds(self, L: int) -> bool:
+        """NOTE: any batch fits: the buffers have max_num_seqs rows, a step at most that many."""
+        return L in self.steps
 
     def __call__(self, seqs: list[Sequence], L: int) -> torch.Tensor:
         """[len(seqs), L - 1] drafts. NOTE: a graph's output: read it before the next replay."""

@@ -5,37 +5,18 @@ the batch is host time on every mixed step."""
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from blockspec.engine.kv_cache import BlockManager
+from blockspec.engine.kv_cache import BlockManager, concat_ranges, padded_block_tables
 from blockspec.engine.sequence import Sequence
 from blockspec.layers.attention import AttentionMetadata
 
 
 def _empty(dtype: type = np.int64) -> np.ndarray:
     return np.zeros(0, dtype=dtype)
-
-
-def _ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """Concatenated [start, start + length) of each pair."""
-    total = int(lengths.sum())
-    begins = np.repeat(np.cumsum(lengths) - lengths, lengths)
-    return np.repeat(starts, lengths) + np.arange(total) - begins
-
-
-def block_table_array(seqs: list[Sequence]) -> tuple[np.ndarray, np.ndarray]:
-    """([S, W] int32 block tables padded with 0, [S] their lengths)."""
-    lens = np.fromiter((len(s.block_table) for s in seqs), dtype=np.int64, count=len(seqs))
-    tables = np.zeros((len(seqs), max(int(lens.max(initial=0)), 1)), dtype=np.int32)
-    rows = np.repeat(np.arange(len(seqs)), lens)
-    cols = _ranges(np.zeros(len(seqs), dtype=np.int64), lens)
-    tables[rows, cols] = np.fromiter(itertools.chain.from_iterable(s.block_table for s in seqs),
-                                     dtype=np.int32, count=int(lens.sum()))
-    return tables, lens
 
 
 @dataclass
@@ -68,8 +49,10 @@ class FlatBatch:
         blen = np.asarray(blens, dtype=np.int64).reshape(n_seqs)
         q = np.where(blen > 0, blen, np.asarray(num_new_tokens, dtype=np.int64).reshape(n_seqs))
         cu = np.concatenate([[0], np.cumsum(q)])
-        positions = _ranges(start, q)
-        tables, table_lens = block_table_array(seqs)
+        positions = concat_ranges(start, q)
+        table_lens = np.fromiter((len(s.block_table) for s in seqs), dtype=np.int64,
+                                 count=n_seqs)
+        tables = padded_block_tables(seqs, n_seqs, max(int(table_lens.max(initial=0)), 1), 0)
         seq_idx = np.repeat(np.arange(n_seqs), q)
         # NOTE: the scheduler allocated every fed position's block (lookahead included).
         assert (positions // bs < table_lens[seq_idx]).all(), "a fed position has no KV block"
@@ -93,8 +76,8 @@ class FlatBatch:
         drafted = q[blocks] - 1
         verify = cu[blocks][:, None] + np.minimum(np.arange(width)[None, :], drafted[:, None])
         return cls(ids, positions, slots, q, start + q, tables,
-                   _ranges(cu[blocks] + 1, drafted),
-                   _ranges(np.arange(len(blocks), dtype=np.int64) * (width - 1), drafted),
+                   concat_ranges(cu[blocks] + 1, drafted),
+                   concat_ranges(np.arange(len(blocks), dtype=np.int64) * (width - 1), drafted),
                    last_rows, last_seqs, verify)
 
     def tensors(self, drafts: torch.Tensor | None, device: torch.device
@@ -106,7 +89,7 @@ class FlatBatch:
         input_ids = t(self.input_ids)
         if len(self.draft_dst):
             input_ids[t(self.draft_dst)] = drafts.reshape(-1)[t(self.draft_src)]
-        cu = np.concatenate([[0], np.cumsum(self.query_lens)])
+        cu = self.cu_seqlens_q
         seq_idx = np.repeat(np.arange(len(self.query_lens)), self.query_lens)
         meta = AttentionMetadata(
             slot_mapping=t(self.slot_mapping), cu_seqlens_q=t(cu.astype(np.int32)),
@@ -115,6 +98,11 @@ class FlatBatch:
             max_seq_len=int(self.seq_lens.max(initial=0)), token_seq_idx=t(seq_idx),
             token_q_idx=t(np.arange(len(self.input_ids)) - cu[seq_idx]))
         return input_ids, t(self.positions), meta
+
+    @property
+    def cu_seqlens_q(self) -> np.ndarray:
+        """[S + 1]: sequence b's tokens are rows [cu[b], cu[b + 1])."""
+        return np.concatenate([[0], np.cumsum(self.query_lens)])
 
     @property
     def sampled_rows(self) -> np.ndarray:

@@ -82,8 +82,7 @@ class FlatBuffers:
         self._copy(self.slot_mapping, batch.slot_mapping, trash_slot)
         self._copy(self.context_slots, batch.slot_mapping if write_context
                    else np.zeros(0, dtype=np.int64), trash_slot)
-        cu = np.concatenate([[0], np.cumsum(batch.query_lens)])
-        self._copy(self.cu_seqlens_q, cu, t)
+        self._copy(self.cu_seqlens_q, batch.cu_seqlens_q, t)
         self._copy(self.seq_lens, batch.seq_lens, 0)
         if s:
             width = batch.block_tables.shape[1]

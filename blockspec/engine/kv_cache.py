@@ -8,6 +8,7 @@ request with the same prefix revives them; allocation evicts from the least rece
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 
 import numpy as np
@@ -19,12 +20,22 @@ class NoFreeBlocksError(RuntimeError):
     pass
 
 
+def concat_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Concatenated [start, start + length) of each pair (int64)."""
+    begins = np.repeat(np.cumsum(lengths) - lengths, lengths)
+    return np.repeat(starts, lengths) + np.arange(int(lengths.sum())) - begins
+
+
 def padded_block_tables(seqs: list[Sequence], rows: int, width: int, pad: int) -> np.ndarray:
-    """[rows, width] int32 block tables of `seqs` (then empty rows), padded with block `pad`:
-    what a step's static buffers hold, so padded entries point at a real (trash) block."""
+    """[rows, width] int32 block tables of `seqs` (then empty rows), padded with block `pad`
+    (a step's static buffers pad with the trash block, a real one). Filled in one scatter, not
+    a row at a time: a step's batch has up to max_num_seqs tables."""
+    lens = np.fromiter((len(s.block_table) for s in seqs), dtype=np.int64, count=len(seqs))
     tables = np.full((rows, width), pad, dtype=np.int32)
-    for i, seq in enumerate(seqs):
-        tables[i, :len(seq.block_table)] = seq.block_table
+    tables[np.repeat(np.arange(len(seqs)), lens),
+           concat_ranges(np.zeros(len(seqs), dtype=np.int64), lens)] = np.fromiter(
+        itertools.chain.from_iterable(s.block_table for s in seqs), dtype=np.int32,
+        count=int(lens.sum()))
     return tables
 
 

@@ -75,7 +75,7 @@ class MixedStep:
         """[len(spec), width - 1] drafts: the draft step's where every block is whole."""
         picked = [seqs[i] for i in spec]
         if block_drafts is not None and all(blens[i] == width for i in spec) \
-                and block_drafts.holds(len(picked), width):
+                and block_drafts.holds(width):
             return block_drafts(picked, width)
         return self._propose(seqs, blens, spec, width)
 

@@ -170,13 +170,16 @@ class DeepseekV3ForCausalLM(CausalLM):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        # NOTE: a plain list (the layers own them): read after every engine step, not walked.
+        self.moe_layers = [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, MoE)]
 
     def expert_counts(self) -> torch.Tensor:
         """[distinct routed experts selected, MoE layer forwards], summed over every MoE layer
         (distinct experts per layer per forward = the first over the second)."""
-        return torch.stack([m.expert_counts for m in self.modules() if isinstance(m, MoE)]).sum(0)
+        if not self.moe_layers:  # every layer dense (first_k_dense_replace)
+            return torch.zeros(2, dtype=torch.int64)
+        return torch.stack([m.expert_counts for m in self.moe_layers]).sum(0)
 
     def reset_expert_counts(self) -> None:
-        for m in self.modules():
-            if isinstance(m, MoE):
-                m.expert_counts.zero_()
+        for m in self.moe_layers:
+            m.expert_counts.zero_()
