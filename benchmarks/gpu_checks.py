@@ -157,6 +157,39 @@ def check_engine(tmp: Path, report: dict) -> None:
     assert all(toks == ref for toks in runs.values())
 
 
+def check_engine_deepseek(tmp: Path, report: dict) -> None:
+    """A tiny DeepSeek-V3 target (MLA + MoE) through the engine on the GPU, fp32, alone and with
+    a DFlash drafter, == HF generate on the same weights."""
+    from transformers import AutoModelForCausalLM
+
+    from blockspec.tiny import build_tiny_deepseek_v3
+
+    target = build_tiny_deepseek_v3(tmp / "dsv3", q_lora_rank=24, n_group=4, topk_group=2)
+    drafter = build_random_drafter(tmp / "ds_drafter", target, num_layers=2, block_size=8)
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(1, 500, (int(n),), generator=g).tolist()
+               for n in torch.randint(3, 120, (9,), generator=g)]
+    params = [SamplingParams(temperature=0, max_tokens=8 + 4 * i, ignore_eos=True)
+              for i in range(9)]
+    kw = dict(device="cuda", dtype="float32", num_kv_blocks=256, max_num_seqs=4)
+    runs = {}
+    for name, extra in (("ar", {}), ("dflash", {"draft": str(drafter)})):
+        llm = LLM(str(target), **{**kw, **extra})
+        runs[name] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        report[f"deepseek_{name}_steps_by_path"] = dict(llm.engine.runner.path_steps)
+        del llm
+    hf = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).cuda().eval()
+    ref = []
+    for p, sp in zip(prompts, params):
+        y = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=sp.max_tokens,
+                        do_sample=False, eos_token_id=None, pad_token_id=0)
+        ref.append(y[0, len(p):].tolist())
+    for name, toks in runs.items():
+        report[f"deepseek_{name}_equals_hf"] = toks == ref
+        print(f"tiny deepseek_v3 fp32 {name} == HF generate: {toks == ref}")
+    assert all(toks == ref for toks in runs.values())
+
+
 def check_fused_moe(report: dict) -> None:
     """The grouped-GEMM experts (layers/fused_moe.py) == experts_reference, bf16, Kimi-K2 expert
     shapes (384 experts of 2048, top 8, hidden 7168), decode to prefill sizes; and captured in
@@ -212,12 +245,13 @@ def main() -> int:
             report[f"{check.__name__}_error"] = repr(e)
             print(f"FAILED {check.__name__}: {e!r}")
     with tempfile.TemporaryDirectory() as d:
-        try:
-            check_engine(Path(d), report)
-        except Exception as e:
-            ok = False
-            report["check_engine_error"] = repr(e)
-            print(f"FAILED check_engine: {e!r}")
+        for check in (check_engine, check_engine_deepseek):
+            try:
+                check(Path(d), report)
+            except Exception as e:
+                ok = False
+                report[f"{check.__name__}_error"] = repr(e)
+                print(f"FAILED {check.__name__}: {e!r}")
     report["all_passed"] = ok
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     return 0 if ok else 1
