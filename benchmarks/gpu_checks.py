@@ -173,7 +173,8 @@ def check_engine_deepseek(tmp: Path, report: dict) -> None:
               for i in range(9)]
     kw = dict(device="cuda", dtype="float32", num_kv_blocks=256, max_num_seqs=4)
     runs = {}
-    for name, extra in (("ar", {}), ("dflash", {"draft": str(drafter)})):
+    for name, extra in (("ar", {}), ("ar_torch_experts", {"linear_backend": "torch"}),
+                        ("dflash", {"draft": str(drafter)})):
         llm = LLM(str(target), **{**kw, **extra})
         runs[name] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         report[f"deepseek_{name}_steps_by_path"] = dict(llm.engine.runner.path_steps)
@@ -186,6 +187,9 @@ def check_engine_deepseek(tmp: Path, report: dict) -> None:
         ref.append(y[0, len(p):].tolist())
     for name, toks in runs.items():
         report[f"deepseek_{name}_equals_hf"] = toks == ref
+        report[f"deepseek_{name}_first_mismatch"] = [
+            next((j for j, (a, b) in enumerate(zip(t, r)) if a != b), None)
+            for t, r in zip(toks, ref)]
         print(f"tiny deepseek_v3 fp32 {name} == HF generate: {toks == ref}")
     assert all(toks == ref for toks in runs.values())
 

@@ -50,7 +50,8 @@ def main() -> int:
         k_ptr="*bf16", v_ptr="*bf16", k_cache_ptr="*bf16", v_cache_ptr="*bf16", slot_ptr="*i64"))
     for per_token, scale in ((True, False), (False, True)):
         consts = dict(TOP_K=8, A_PER_TOKEN=per_token, SCALE=scale, NUM_EXPERTS=384,
-                      BLOCK_M=moe.BLOCK_M, BLOCK_N=64, BLOCK_K=64)
+                      BLOCK_M=moe.BLOCK_M, BLOCK_N=64, BLOCK_K=64,
+                      DOT_PRECISION="tf32")
         assert "cubin" in compile_sm90(moe._grouped_gemm, consts, dict(
             a_ptr="*bf16", w_ptr="*bf16", c_ptr="*bf16", scale_ptr="*fp32", sorted_ptr="*i64",
             tile_expert_ptr="*i64"))

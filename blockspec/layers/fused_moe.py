@@ -48,7 +48,8 @@ def align_slots(ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M
 def _grouped_gemm(a_ptr, w_ptr, c_ptr, scale_ptr, sorted_ptr, tile_expert_ptr, num_slots, n, k,
                   stride_am, stride_we, stride_wn, stride_cm, TOP_K: tl.constexpr,
                   A_PER_TOKEN: tl.constexpr, SCALE: tl.constexpr, NUM_EXPERTS: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr):
     """C[slot, :] = A[row of slot] @ W[expert].T (times scale[slot]) for one tile of slots."""
     tile, pid_n = tl.program_id(0), tl.program_id(1)
     expert = tl.load(tile_expert_ptr + tile)
@@ -68,7 +69,7 @@ def _grouped_gemm(a_ptr, w_ptr, c_ptr, scale_ptr, sorted_ptr, tile_expert_ptr, n
                     mask=valid[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_base + cols[None, :] * stride_wn + kk[:, None],
                     mask=col_ok[None, :] & k_ok[:, None], other=0.0)
-        acc += tl.dot(a.to(w.dtype), w, out_dtype=tl.float32)
+        acc += tl.dot(a.to(w.dtype), w, out_dtype=tl.float32, input_precision=DOT_PRECISION)
     if SCALE:
         acc *= tl.load(scale_ptr + slots, mask=valid, other=0.0)[:, None]
     tl.store(c_ptr + slots[:, None].to(tl.int64) * stride_cm + cols[None, :],
@@ -88,7 +89,9 @@ def _grouped(a: torch.Tensor, w: torch.Tensor, sorted_slots: torch.Tensor,
                         tile_expert, num_slots, n, k, a.stride(0), w.stride(0), w.stride(1),
                         out.stride(0), TOP_K=top_k, A_PER_TOKEN=per_token,
                         SCALE=scale is not None, NUM_EXPERTS=w.shape[0], BLOCK_M=BLOCK_M,
-                        BLOCK_N=block_n, BLOCK_K=block_k)
+                        BLOCK_N=block_n, BLOCK_K=block_k,
+                        # NOTE: fp32 weights mean a reference run: full fp32 products, not tf32.
+                        DOT_PRECISION="ieee" if w.dtype == torch.float32 else "tf32")
     return out
 
 
