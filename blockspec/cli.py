@@ -33,12 +33,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=256, help="max running sequences")
     g.add_argument("--max-num-batched-tokens", type=int, default=8192,
                    help="token budget per step (prefills are chunked to fit)")
-    g.add_argument("--decode-step-prefill-tokens", type=_prefill_cap, default=None,
+    g.add_argument("--decode-step-prefill-tokens", type=_prefill_cap, default=0,
                    metavar="N|auto",
                    help="cap on the prefill tokens of a step that also decodes, which delay "
-                        "every running stream (ITL). Default auto: 12 per decoding sequence, "
-                        "at least 256, in speculative steps, lifted while a burst of prompts "
-                        "queues; N: at most N in every step; 0: no cap")
+                        "every running stream: lower ITL tails for fewer tokens/s (default 0: "
+                        "no cap; auto: 12 per decoding sequence, at least 256)")
     g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,

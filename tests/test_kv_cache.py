@@ -389,34 +389,6 @@ def test_decode_prefill_budget_rule():
     assert decode_prefill_budget(None, 256, 2048) == 2048
     assert decode_prefill_budget(0, 32, 8192) == 8192
     assert decode_prefill_budget(100, 32, 8192) == 100
-    # auto caps speculative steps only; a fixed cap every step
-    assert decode_prefill_budget(None, 32, 8192, speculative=False) == 8192
-    assert decode_prefill_budget(100, 32, 8192, speculative=False) == 100
-    # auto lifts while more waits than DECODE_PREFILL_LIFT_STEPS capped steps take
-    assert decode_prefill_budget(None, 32, 8192, queued_tokens=4 * 384) == 384
-    assert decode_prefill_budget(None, 32, 8192, queued_tokens=4 * 384 + 1) == 8192
-    assert decode_prefill_budget(100, 32, 8192, queued_tokens=10**6) == 100
-
-
-def test_auto_prefill_cap_follows_speculation_and_the_queue():
-    """The scheduler's auto cap: a speculative step (budget_lookahead > 0) beside a decoding
-    sequence takes the floor of prefill tokens; a plain step, or one with a burst queued,
-    takes every prompt."""
-
-    def scheduler(*prompt_lens: int) -> Scheduler:
-        bm = BlockManager(1024, BS, enable_prefix_caching=False)
-        sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=4096,
-                          num_lookahead_slots=3, decode_step_prefill_tokens=None)
-        sched.add(make_seq(range(1, 4), "a"))
-        step(sched)  # a prefilled: it decodes from now on
-        for i, n in enumerate(prompt_lens):
-            sched.add(make_seq([5] * n, f"p{i}"))
-        return sched
-
-    assert scheduler(600).schedule(budget_lookahead=0).num_new_tokens == [1, 600]
-    assert scheduler(600).schedule(budget_lookahead=3).num_new_tokens == [1, 256]
-    # 1200 queued > DECODE_PREFILL_LIFT_STEPS x 256: the burst goes in whole
-    assert scheduler(600, 600).schedule(budget_lookahead=3).num_new_tokens == [1, 600, 600]
 
 
 def test_prefill_beside_decodes_is_capped_and_decodes_still_run():

@@ -10,7 +10,6 @@ usually makes that cheap).
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -33,32 +32,20 @@ class SchedulerOutput:
         return bool(self.seqs)
 
 
-# The "auto" prefill budget of a speculative step with decoding sequences: PER_DECODE tokens per
-# decoding sequence, at least FLOOR. NOTE: enough to keep a closed loop of 512-token prompts for
+# The "auto" prefill budget of a step with decoding sequences: PER_DECODE tokens per decoding
+# sequence, at least FLOOR. NOTE: enough to keep a closed loop of 512-token prompts for
 # 256-token outputs fed at tau up to ~6 from C = 16 up, while one step's prefill adds about one
-# decode step to the streams it delays (ITL; docs/benchmarks.md, "Closed loop"). Plain decode
-# steps are not capped: a prefill chunk beside one-token decodes costs little more than the
-# chunk alone, and capping them cost plain decoding 12% of its tokens/s at C=32.
+# decode step to the streams it delays (ITL; docs/benchmarks.md, "Closed loop").
 DECODE_PREFILL_FLOOR, DECODE_PREFILL_PER_DECODE = 256, 12
-# ... and lifted while more prefill tokens wait than LIFT_STEPS capped steps would take: a burst
-# of arrivals (a server's first wave) is then prefilled in a few large steps, which delay few
-# tokens of the running streams, rather than dozens of capped ones, which delay many (and hold
-# the new requests back from decoding).
-DECODE_PREFILL_LIFT_STEPS = 4
 
 
-def decode_prefill_budget(setting: int | None, num_decoding: int, step_budget: int,
-                          speculative: bool = True, queued_tokens: int = 0) -> int:
+def decode_prefill_budget(setting: int | None, num_decoding: int, step_budget: int) -> int:
     """Prefill tokens a step may take beside `num_decoding` decoding sequences. `setting`:
-    EngineConfig.decode_step_prefill_tokens (0: no cap, N: N tokens, None: the "auto" rule,
-    which caps `speculative` steps only and lifts while `queued_tokens` of prefill wait beyond
-    DECODE_PREFILL_LIFT_STEPS capped steps)."""
+    EngineConfig.decode_step_prefill_tokens (0: no cap, None: the "auto" rule)."""
     if not num_decoding or setting == 0:
         return step_budget
     if setting is None:
         setting = max(DECODE_PREFILL_FLOOR, DECODE_PREFILL_PER_DECODE * num_decoding)
-        if not speculative or queued_tokens > DECODE_PREFILL_LIFT_STEPS * setting:
-            return step_budget
     return min(setting, step_budget)
 
 
@@ -102,25 +89,12 @@ class Scheduler:
         if self.decode_step_prefill_tokens != 0:
             prefill = decode_prefill_budget(
                 self.decode_step_prefill_tokens,
-                sum(1 for s in self.running if s.num_tokens - s.num_computed_tokens == 1), budget,
-                speculative=budget_lookahead > 0, queued_tokens=self._queued_prefill_tokens())
+                sum(1 for s in self.running if s.num_tokens - s.num_computed_tokens == 1), budget)
         budget, prefill = self._schedule_running(out, budget, prefill, budget_lookahead)
         # NOTE: admit nothing new in a step that had to preempt: the cache is under pressure.
         if not out.num_preempted:
             self._admit_waiting(out, budget, prefill)
         return out
-
-    def _queued_prefill_tokens(self) -> int:
-        """Prompt tokens still to prefill (running chunked prefills and waiting requests),
-        counted only as far as the auto cap's lift needs (a long queue stops the walk)."""
-        limit = DECODE_PREFILL_LIFT_STEPS * self.max_num_batched_tokens
-        total = 0
-        for seq in itertools.chain(self.running, self.waiting):
-            left = seq.num_tokens - seq.num_computed_tokens
-            total += left if left > 1 else 0
-            if total > limit:
-                break
-        return total
 
     def _schedule_running(self, out: SchedulerOutput, budget: int, prefill: int,
                           budget_lookahead: int) -> tuple[int, int]:
