@@ -165,6 +165,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
         per_step = engine.timings.per_step_ms()
         print(f"[blockspec] {engine.timings.steps} engine steps, ms per step: "
               + ", ".join(f"{k} {v:.2f}" for k, v in per_step.items()), file=sys.stderr)
+        if hasattr(engine.model, "expert_counts"):
+            selected, forwards = engine.model.expert_counts().tolist()
+            moe = engine.model_config.moe
+            print(f"[blockspec] MoE: {selected / max(forwards, 1):.1f} distinct routed experts "
+                  f"per MoE layer forward (of {moe.num_experts}; top-{moe.num_experts_per_tok} "
+                  "per token): what a step reads of the experts", file=sys.stderr)
         if engine.runner.proposer is not None:
             spec = m.spec
             hist = " ".join(f"{k}:{v}" for k, v in sorted(spec.acceptance_length_hist.items()))

@@ -244,6 +244,18 @@ def test_distinct_experts_per_layer_forward_are_counted(moe_pair):
         <= 2 * stats.moe_layer_forwards + moe_layers * (cfg.moe.num_experts - 2)
 
 
+def test_generate_verbose_prints_experts_per_layer_forward(moe_pair, capsys):
+    from blockspec.cli import main
+
+    assert main(["generate", "--model", str(moe_pair[0]), "--draft", "none", "--device", "cpu",
+                 "--prompt", "def f(x):", "--max-tokens", "4", "--num-kv-blocks", "32",
+                 "--verbose"]) == 0
+    err = capsys.readouterr().err
+    line = next(x for x in err.splitlines() if "distinct routed experts" in x)
+    per_forward = float(line.split("MoE: ")[1].split()[0])
+    assert 2.0 <= per_forward <= 8.0 and "(of 8; top-2 per token)" in line
+
+
 def test_mla_attention_stays_on_the_torch_backend(moe_pair, caplog):
     """The generic Triton kernel cannot hold a 576-wide latent for 64+ heads on a GPU: an MLA
     target's attention runs the torch backend, with one warning."""
