@@ -1,4 +1,4 @@
-"""`blockspec` command line: generate, serve, bench, train-drafter, eval-acceptance,
+"""`blockspec` command line: generate, serve, bench, download, train-drafter, eval-acceptance,
 generate-data."""
 
 from __future__ import annotations
@@ -15,9 +15,14 @@ from blockspec.config import ConfigError
 def add_engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None,
-                   help="HF model folder (config.json + safetensors + tokenizer). Default: the "
-                        "embedded demo pair (a 15.7M-parameter Python-code Qwen3 and its DFlash "
-                        "drafter; --draft none for the target alone)")
+                   help="HF model folder (config.json + safetensors + tokenizer) or Hugging Face "
+                        "Hub id (org/name: fetched into the HF cache). Default: the embedded demo "
+                        "pair (a 15.7M-parameter Python-code Qwen3 and its DFlash drafter; "
+                        "--draft none for the target alone)")
+    g.add_argument("--revision", default=None,
+                   help="Hub id models: branch, tag or commit (default: main)")
+    g.add_argument("--trust-remote-code", action="store_true",
+                   help="Hub ids: also fetch the repos' *.py files; let the tokenizer run them")
     g.add_argument("--device", choices=["cpu", "cuda"], default=None,
                    help="default: cuda when available, else cpu")
     g.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
@@ -50,8 +55,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         "torch (cuBLAS) on CPU and for larger batches")
     d = p.add_argument_group("speculative decoding")
     d.add_argument("--draft", default=None,
-                   help="DFlash drafter folder (published checkpoint format): enables DFlash; "
-                        "`none`: no drafter (also for the default demo pair)")
+                   help="DFlash drafter folder or Hub id (published checkpoint format): "
+                        "enables DFlash; `none`: no drafter (also for the default demo pair)")
+    d.add_argument("--draft-revision", default=None,
+                   help="Hub id drafters: branch, tag or commit (default: main)")
     d.add_argument("--block-size", type=int, default=None,
                    help="the max block: tokens verified per step under the fixed policy "
                         "(default: the drafter's block_size; smaller is allowed)")
@@ -112,6 +119,8 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         cost_profile=args.cost_profile, lazy_draft_context=args.lazy_draft_context,
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
         attention_backend=args.attention_backend, linear_backend=args.linear_backend,
+        revision=args.revision, draft_revision=args.draft_revision,
+        trust_remote_code=args.trust_remote_code,
     )
 
 
@@ -232,6 +241,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bench_parser(sub, add_engine_args)
     sub.choices["bench"].set_defaults(func=lambda a: cmd_bench(a, engine_kwargs, resolve_model))
+
+    from blockspec.hub.cli import add_download_parser
+
+    add_download_parser(sub)
 
     from blockspec.train.cli import add_train_parser
 

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -40,7 +40,7 @@ class EngineConfig:
     seed: int = 0
     tokenizer: str | None = None
     load_format: str = "auto"  # "dummy": random weights from config.json (benchmarks only)
-    draft: str | None = None  # DFlash drafter folder: enables speculative decoding
+    draft: str | None = None  # DFlash drafter folder or Hub id: enables speculative decoding
     block_size: int | None = None  # speculative block (verified tokens); None: the drafter's
     enforce_eager: bool = False  # CUDA: no graphs
     # Speculation policy (with a drafter): "adaptive" picks plain decode or one of `block_sizes`
@@ -70,6 +70,17 @@ class EngineConfig:
     # Output is then NOT the target's; `benchmark_mode=True` must be set to use it.
     synthetic_acceptance: float | None = None
     benchmark_mode: bool = False
+    # `model`, `draft` and `tokenizer` may be Hub ids (org/name): the Hub revision (branch, tag
+    # or commit; default main) of `model` and of `draft`, and whether their *.py files (remote
+    # code) are fetched and the tokenizer's may run.
+    revision: str | None = None
+    draft_revision: str | None = None
+    trust_remote_code: bool = False
+    # The folders to load, resolved on construction (blockspec/hub): the names themselves when
+    # they are local folders (a path that exists wins), else snapshots in the Hugging Face cache.
+    model_path: str = field(init=False, default="")
+    draft_path: str | None = field(init=False, default=None)
+    tokenizer_path: str = field(init=False, default="")
 
     def __post_init__(self) -> None:
         self._validate_device()
@@ -84,6 +95,22 @@ class EngineConfig:
             if value not in allowed:
                 raise ConfigError(f"{name} must be {', '.join(allowed[:-1])} or {allowed[-1]}, "
                                   f"got {value!r}")
+        self._resolve_paths()
+
+    def _resolve_paths(self) -> None:
+        # NOTE: last: a Hub id may mean gigabytes to download, so every cheap check runs first.
+        from blockspec.hub import resolve_model_path
+
+        if self.draft_revision is not None and self.draft is None:
+            raise ConfigError("draft_revision is a drafter's Hub revision: it needs a draft model")
+        hub = dict(trust_remote_code=self.trust_remote_code)
+        weights = self.load_format != "dummy"  # NOTE: random weights need config.json only
+        self.model_path = resolve_model_path(self.model, revision=self.revision, weights=weights,
+                                             **hub)
+        self.draft_path = None if self.draft is None else resolve_model_path(
+            self.draft, what="draft", revision=self.draft_revision, weights=weights, **hub)
+        self.tokenizer_path = self.model_path if self.tokenizer is None else resolve_model_path(
+            self.tokenizer, what="tokenizer", weights=False, **hub)
 
     def _validate_device(self) -> None:
         if self.device is None:

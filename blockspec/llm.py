@@ -24,10 +24,12 @@ logger = logging.getLogger("blockspec")
 class LLM:
     """An engine for offline generation, like vLLM's `LLM`.
 
-    `model`: an HF folder (config.json + safetensors + tokenizer); None: the embedded demo pair
-    (its DFlash drafter too, unless `draft` is given; `draft="none"`: the target alone).
+    `model`: an HF folder (config.json + safetensors + tokenizer) or a Hugging Face Hub id
+    (`org/name`, fetched into the HF cache; a folder that exists wins); None: the embedded demo
+    pair (its DFlash drafter too, unless `draft` is given; `draft="none"`: the target alone).
     Engine arguments (keywords, see `blockspec.EngineConfig`; vLLM's names):
-    `draft` (a DFlash drafter folder: speculative decoding), `block_size`, `block_sizes`,
+    `draft` (a DFlash drafter folder or Hub id: speculative decoding), `revision`,
+    `draft_revision` (Hub branch, tag or commit), `trust_remote_code`, `block_size`, `block_sizes`,
     `speculation_policy` ("adaptive" | "fixed"), `lazy_draft_context`, `cost_profile`,
     `device` ("cpu" | "cuda"), `dtype`, `max_model_len`, `max_num_seqs`,
     `max_num_batched_tokens`, `kv_block_size`, `kv_cache_memory_gb`, `num_kv_blocks`,

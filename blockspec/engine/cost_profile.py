@@ -81,10 +81,10 @@ def profile_buckets(runner: ModelRunner) -> list[int]:
 
 def cost_key(runner: ModelRunner, config: EngineConfig) -> dict[str, Any]:
     lens = [1, *runner.spec_lens]
-    key = profile_key(model_id(config.model), device_name(runner.device), runner.dtype,
+    key = profile_key(model_id(config.model_path), device_name(runner.device), runner.dtype,
                       runner.bm.block_size, lens)
     attn = next(m for m in runner.model.modules() if isinstance(m, PagedAttention))
-    key.update(draft=model_id(config.draft), buckets=profile_buckets(runner),
+    key.update(draft=model_id(config.draft_path), buckets=profile_buckets(runner),
                graphs=bool(runner.graphs_by_len), attention_backend=attn.backend.name,
                linear_backend=next(m.backend for m in runner.model.modules()
                                    if isinstance(m, Linear)),

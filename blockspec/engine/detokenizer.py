@@ -40,11 +40,11 @@ class IncrementalDetokenizer:
         return ""
 
 
-def load_tokenizer(path: str) -> Any:
+def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
     from transformers import AutoTokenizer
 
     try:
-        return AutoTokenizer.from_pretrained(path)
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception as e:  # transformers raises many types for a broken folder
         raise ConfigError(f"could not load a tokenizer from {path!r}: {e}") from None
 

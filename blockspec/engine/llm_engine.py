@@ -36,7 +36,7 @@ log = logging.getLogger("blockspec")
 
 class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
-        self.model_config = ModelConfig.from_pretrained(config.model)
+        self.model_config = ModelConfig.from_pretrained(config.model_path)
         mc = self.model_config
         if mc.moe is not None and not config.enforce_eager and config.device != "cpu":
             # NOTE: the torch experts read the router's choice on the host (no graph captures
@@ -51,17 +51,17 @@ class LLMEngine:
         self.dtype = config.resolve_dtype(mc.dtype)
         torch.manual_seed(config.seed)
         self.device = torch.device(config.device)
-        self.tokenizer = load_tokenizer(config.tokenizer or config.model)
-        self.model = load_model(config.model, mc, self.dtype, self.device, config.load_format)
-        self.eos_token_ids = eos_token_ids(self.model_config, config.model, self.tokenizer)
+        self.tokenizer = load_tokenizer(config.tokenizer_path, config.trust_remote_code)
+        self.model = load_model(config.model_path, mc, self.dtype, self.device, config.load_format)
+        self.eos_token_ids = eos_token_ids(self.model_config, config.model_path, self.tokenizer)
 
         per_block = kv_bytes_per_block(mc, config.kv_block_size, self.dtype)
         drafter = None
         self.spec_block_size = 0  # the max block: fixed mode's, and the lookahead reserve's
         self.spec_block_lens: list[int] = []  # speculative block lengths the policy may run
-        if config.draft is not None:
-            drafter = load_drafter(config.draft, mc, self.max_model_len, self.dtype, self.device,
-                                   config.load_format)
+        if config.draft_path is not None:
+            drafter = load_drafter(config.draft_path, mc, self.max_model_len, self.dtype,
+                                   self.device, config.load_format)
             self.spec_block_size, self.spec_block_lens = resolve_block_lens(
                 config, drafter.config.block_size)
             if config.max_num_batched_tokens < self.spec_block_size:

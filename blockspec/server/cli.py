@@ -9,15 +9,17 @@ import socket
 import sys
 import threading
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from blockspec.config import ConfigError, EngineConfig
+from blockspec.hub import served_name
 
 
 def add_serve_parser(subparsers: Any,
                      add_engine_args: Callable[[argparse.ArgumentParser], None]) -> None:
     p = subparsers.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    p.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="model folder or Hugging Face Hub id, as --model (vLLM's `serve MODEL`)")
     add_engine_args(p)
     s = p.add_argument_group("server")
     s.add_argument("--host", default="127.0.0.1",
@@ -28,7 +30,8 @@ def add_serve_parser(subparsers: Any,
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: "
                         "$BLOCKSPEC_API_KEY; none: no authentication)")
     s.add_argument("--served-model-name", default=None,
-                   help="model id clients send as `model` (default: the model folder's name)")
+                   help="model id clients send as `model` (default: the model folder's name, or "
+                        "the Hub id)")
     s.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"])
     s.add_argument("--disable-log-requests", action="store_true",
@@ -53,6 +56,7 @@ def cmd_serve(args: argparse.Namespace, engine_kwargs: Callable[[argparse.Namesp
     from blockspec.server.api import build_app
     from blockspec.server.runner import make_server
 
+    args.model = model_arg(args.model_tag, args.model)
     if not 0 <= args.port < 65536:
         raise ConfigError(f"--port must be in [0, 65535], got {args.port}")
     check_bind(args.host, args.port)  # NOTE: before loading a model that may take minutes
@@ -63,13 +67,14 @@ def cmd_serve(args: argparse.Namespace, engine_kwargs: Callable[[argparse.Namesp
         raise ConfigError("synthetic acceptance is benchmark-only and cannot be served")
     kwargs.pop("benchmark_mode", None)
     engine = LLMEngine(EngineConfig(model=model, **kwargs))
-    name = args.served_model_name or Path(model.rstrip("/")).name or model
+    name = args.served_model_name or served_name(model)
     app = build_app(engine, name, api_key=args.api_key,
                     log_requests=not args.disable_log_requests,
                     log_stats_interval=None if args.disable_log_stats else 10.0)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     auth = "API key required" if args.api_key else "no API key"
-    print(f"[blockspec] serving {name!r} ({model}) on http://{args.host}:{args.port}/v1 "
+    print(f"[blockspec] serving {name!r} ({engine.config.model_path}) on "
+          f"http://{args.host}:{args.port}/v1 "
           f"({auth}; device {engine.config.device}, {engine.block_manager.num_blocks} KV blocks, "
           f"context {engine.max_model_len})", file=sys.stderr)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
@@ -86,6 +91,14 @@ def cmd_serve(args: argparse.Namespace, engine_kwargs: Callable[[argparse.Namesp
               f"{engine_thread.error}", file=sys.stderr)
         return 1
     return 0
+
+
+def model_arg(positional: str | None, flag: str | None) -> str | None:
+    """`serve MODEL` and `serve --model MODEL` are one argument: given twice, it must agree."""
+    if positional is not None and flag is not None and positional != flag:
+        raise ConfigError(f"two models given: {positional!r} (positional) and --model {flag!r}; "
+                          "give one")
+    return positional if positional is not None else flag
 
 
 def check_bind(host: str, port: int) -> None:

@@ -13,7 +13,8 @@ from blockspec.train.drafter_data import iter_jsonl
 
 def add_train_parser(subparsers: Any) -> None:
     tr = subparsers.add_parser("train-drafter", help="train a DFlash drafter for a target model")
-    tr.add_argument("--target", required=True, help="target model folder (HF format)")
+    tr.add_argument("--target", required=True,
+                    help="target model folder (HF format) or Hub id (org/name)")
     tr.add_argument("--data", required=True, nargs="+", metavar="FILE",
                     help="text or JSONL files (keys: text | prompt+response/completion | "
                          "messages)")
@@ -51,9 +52,9 @@ def add_train_parser(subparsers: Any) -> None:
     ev = subparsers.add_parser("eval-acceptance",
                                help="measure a drafter's acceptance length on prompts")
     ev.add_argument("--model", default=None,
-                    help="target model folder (default: the embedded demo pair's target, and "
-                         "its drafter unless --draft is given)")
-    ev.add_argument("--draft", default=None, help="DFlash drafter folder")
+                    help="target model folder or Hub id (default: the embedded demo pair's "
+                         "target, and its drafter unless --draft is given)")
+    ev.add_argument("--draft", default=None, help="DFlash drafter folder or Hub id")
     ev.add_argument("--prompts", required=True, help="JSONL: prompt | messages | text")
     ev.add_argument("--block-size", type=int, default=None)
     ev.add_argument("--max-tokens", type=int, default=256)
@@ -87,9 +88,12 @@ def _train(args: argparse.Namespace) -> int:
             raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {value}")
     if not 0 <= args.eval_fraction < 1:
         raise ConfigError("--eval-fraction must be in [0, 1)")
+    from blockspec.hub import resolve_model_path
+
     keys = TrainArgs.__dataclass_fields__
-    history = train(TrainArgs(**{k: v for k, v in vars(args).items()
-                                 if k in keys and k != "history"}))
+    fields = {k: v for k, v in vars(args).items() if k in keys and k != "history"}
+    fields["target"] = resolve_model_path(args.target, what="target")
+    history = train(TrainArgs(**fields))
     last = history[-1] if history else {}
     print(f"saved drafter to {args.out}: " + ", ".join(
         f"{k} {v:.4g}" for k, v in last.items() if k != "step"))

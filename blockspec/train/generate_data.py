@@ -22,7 +22,8 @@ from blockspec.config import ConfigError
 def add_parser(subparsers: Any) -> None:
     gd = subparsers.add_parser(
         "generate-data", help="regenerate drafter training data with the target model")
-    gd.add_argument("--model", required=True, help="target model folder (HF format)")
+    gd.add_argument("--model", required=True,
+                    help="target model folder (HF format) or Hub id (org/name)")
     gd.add_argument("--data", required=True, nargs="+", metavar="FILE",
                     help="documents to cut prompts from (text or JSONL, as for train-drafter)")
     gd.add_argument("--out", required=True, metavar="JSONL", help="output file")
