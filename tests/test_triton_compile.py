@@ -13,22 +13,64 @@ import sys
 
 import pytest
 
+SHARED_LIMIT = 227 * 1024  # an H100/H200's shared memory per block
 
-def compile_sm90(fn, constexprs: dict, pointers: dict) -> dict:
+
+def compile_kernel_sm90(fn, constexprs: dict, pointers: dict, **options):
+    """The compiled kernel (its .asm, .metadata.shared) under launch options (num_warps...)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     sig = {n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in fn.arg_names}
-    return triton.compile(ASTSource(fn, sig, constexprs), target=GPUTarget("cuda", 90, 32)).asm
+    return triton.compile(ASTSource(fn, sig, constexprs), target=GPUTarget("cuda", 90, 32),
+                          options=options or None)
+
+
+def compile_sm90(fn, constexprs: dict, pointers: dict) -> dict:
+    return compile_kernel_sm90(fn, constexprs, pointers).asm
+
+
+def compile_mla(mla) -> None:
+    """The MLA kernel as the backend launches it for 16 / 64 / 128 heads (decode, verify
+    blocks, prefill chunks; split-KV, flat grid), within an H200's shared memory per block."""
+    import triton.language as tl
+
+    ptrs = dict(q_ptr="*bf16", cache_ptr="*bf16", out_ptr="*bf16", part_ptr="*fp32",
+                lse_ptr="*fp32", cu_seqlens_q_ptr="*i32", seq_lens_ptr="*i32",
+                block_tables_ptr="*i32", qk_scale="fp32")
+    backend, seen = mla.TritonMLABackend(), set()
+    for heads in (16, 64, 128):
+        for q_len, splits, flat in ((1, 8, True), (4, 4, False), (16, 1, True), (512, 1, False)):
+            block_h, block_q, block_m = backend.tiles(q_len, heads)
+            block_n, num_warps, num_stages = mla.launch_config(block_m)
+            key = (block_h, block_m, splits, flat)
+            if key in seen:
+                continue
+            seen.add(key)
+            consts = dict(BLOCK_H=block_h, KV_RANK=512, ROPE_DIM=64, ROPE_PAD=64, BLOCK_SIZE=64,
+                          BLOCK_Q=block_q, BLOCK_M=block_m, BLOCK_N=block_n, CAUSAL=True,
+                          NUM_SPLITS=splits, MIN_CHUNK=64 * (splits > 1),
+                          DOT_DTYPE=tl.bfloat16, DOT_PRECISION="tf32", FLAT_GRID=flat)
+            kernel = compile_kernel_sm90(mla._mla_kernel, consts, ptrs, num_warps=num_warps,
+                                         num_stages=num_stages)
+            shared = kernel.metadata.shared
+            assert "cubin" in kernel.asm and shared <= SHARED_LIMIT, (heads, q_len, shared)
+    merge = dict(GROUP=16, HEAD_DIM=512, D_BLOCK=mla.MERGE_D_BLOCK, BLOCK_Q=1, BLOCK_M=16,
+                 BLOCK_N=32, CAUSAL=True, NUM_SPLITS=32, MIN_CHUNK=64, FLAT_GRID=True)
+    assert "cubin" in compile_sm90(mla._merge_kernel, merge, dict(
+        part_ptr="*fp32", lse_ptr="*fp32", out_ptr="*bf16", cu_seqlens_q_ptr="*i32",
+        seq_lens_ptr="*i32"))
 
 
 def main() -> int:
+    import triton
     import triton.language as tl
 
     import blockspec.layers.fused_moe as moe
     import blockspec.layers.triton_attention as ta
     import blockspec.layers.triton_kv_store as kv
+    import blockspec.layers.triton_mla as mla
 
     ptrs = dict(q_ptr="*bf16", k_cache_ptr="*bf16", v_cache_ptr="*bf16", out_ptr="*bf16",
                 lse_ptr="*fp32", cu_seqlens_q_ptr="*i32", seq_lens_ptr="*i32",
@@ -45,9 +87,13 @@ def main() -> int:
         merge = dict(GROUP=4, HEAD_DIM=128, D_BLOCK=32, BLOCK_Q=4, BLOCK_M=16, BLOCK_N=64,
                      CAUSAL=True, NUM_SPLITS=8, MIN_CHUNK=64, FLAT_GRID=flat)
         assert "cubin" in compile_sm90(ta._merge_kernel, merge, mptrs)
-    store = dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_SIZE=16, H_PAD=8, D_PAD=128)
-    assert "cubin" in compile_sm90(kv._store_kv_kernel, store, dict(
-        k_ptr="*bf16", v_ptr="*bf16", k_cache_ptr="*bf16", v_cache_ptr="*bf16", slot_ptr="*i64"))
+    for heads, dim, shared_kv in ((8, 128, False), (1, 576, True)):
+        store = dict(NUM_KV_HEADS=heads, HEAD_DIM=dim, BLOCK_SIZE=16,
+                     H_PAD=heads, D_PAD=triton.next_power_of_2(dim), SHARED_KV=shared_kv)
+        assert "cubin" in compile_sm90(kv._store_kv_kernel, store, dict(
+            k_ptr="*bf16", v_ptr="*bf16", k_cache_ptr="*bf16", v_cache_ptr="*bf16",
+            slot_ptr="*i64"))
+    compile_mla(mla)
     for per_token, scale in ((True, False), (False, True)):
         consts = dict(TOP_K=8, A_PER_TOKEN=per_token, SCALE=scale, NUM_EXPERTS=384,
                       BLOCK_M=moe.BLOCK_M, BLOCK_N=64, BLOCK_K=64,
