@@ -75,6 +75,41 @@ def check_attention(report: dict) -> None:
             meta.short_query_len = 0
 
 
+def check_mla(report: dict) -> None:
+    """The MLA kernel (layers/triton_mla.py) == the torch backend on a bf16 latent cache of
+    512 + 64 values (K = V), 16 and 128 heads, decode / verify / prefill / mixed batches, with
+    the graphs' max_seq_len, the flat grid and the short-query launches."""
+    from blockspec.layers.triton_mla import TritonMLABackend
+
+    g = torch.Generator(device="cuda").manual_seed(6)
+    bs, d, rank, nblocks = 16, 576, 512, 1024
+    cache = torch.randn(nblocks, bs, 1, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    cases = {"decode": ([1] * 6, [37, 512, 1025, 3000, 1, 4096]),
+             "verify": ([8] * 4, [16, 530, 2048, 4000]),
+             "prefill": ([300, 1, 64], [300, 900, 64]),
+             "mixed": ([16, 300, 1, 8], [530, 900, 1025, 37])}
+    perm = torch.randperm(nblocks, generator=torch.Generator().manual_seed(2)).tolist()
+    for heads in (16, 128):
+        for name, (qlens, slens) in cases.items():
+            tables, used = [], 0
+            for n in slens:
+                tables.append(perm[used:used + -(-n // bs)])
+                used += -(-n // bs)
+            meta = AttentionMetadata.build(qlens, slens, tables, [0] * sum(qlens), "cuda")
+            q = torch.randn(sum(qlens), heads, d, device="cuda", dtype=torch.bfloat16,
+                            generator=g)
+            ref = TorchAttentionBackend().attend(q, cache, cache, meta, d**-0.5)[..., :rank]
+            for tag, max_len, flat, short in (("", meta.max_seq_len, False, 0),
+                                              ("_maxlen40960", 40960, False, 0),
+                                              ("_flat_short16", 40960, True, 16)):
+                meta.max_seq_len, meta.short_query_len = max_len, short
+                out = TritonMLABackend(flat_grid=flat).attend(q, cache, cache, meta, d**-0.5)
+                err = rel_err(out[..., :rank], ref)
+                report[f"mla_h{heads}_{name}{tag}_rel_err"] = err
+                print(f"triton MLA H={heads} {name}{tag}: rel err {err:.2e}")
+                assert err < 2e-2 and out[..., rank:].abs().max() == 0, f"{heads} {name}{tag}"
+
+
 def check_linear(report: dict) -> None:
     """The skinny-batch Triton matmuls (layers/linear.py) == F.linear, Qwen3-8B shapes, bf16."""
     g = torch.Generator(device="cuda").manual_seed(4)
@@ -173,8 +208,12 @@ def check_engine_deepseek(tmp: Path, report: dict) -> None:
               for i in range(9)]
     kw = dict(device="cuda", dtype="float32", num_kv_blocks=256, max_num_seqs=4)
     runs = {}
-    for name, extra in (("ar", {}), ("ar_torch_experts", {"linear_backend": "torch"}),
-                        ("dflash", {"draft": str(drafter)})):
+    # NOTE: graphs by default (the MLA kernel, the grouped-GEMM experts); the torch experts
+    # read the router on the host and run eagerly.
+    for name, extra in (("ar", {}), ("ar_eager", {"enforce_eager": True}),
+                        ("ar_torch_experts", {"linear_backend": "torch"}),
+                        ("dflash", {"draft": str(drafter)}),
+                        ("dflash_eager", {"draft": str(drafter), "enforce_eager": True})):
         llm = LLM(str(target), **{**kw, **extra})
         runs[name] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         report[f"deepseek_{name}_steps_by_path"] = dict(llm.engine.runner.path_steps)
@@ -241,7 +280,7 @@ def main() -> int:
                     "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
                         timespec="seconds"), "commit": git_commit()}
     ok = True
-    for check in (check_attention, check_fused, check_linear, check_fused_moe):
+    for check in (check_attention, check_mla, check_fused, check_linear, check_fused_moe):
         try:
             check(report)
         except Exception as e:  # keep going: report every failing check

@@ -256,13 +256,22 @@ def test_generate_verbose_prints_experts_per_layer_forward(moe_pair, capsys):
     assert 2.0 <= per_forward <= 8.0 and "(of 8; top-2 per token)" in line
 
 
-def test_mla_attention_stays_on_the_torch_backend(moe_pair, caplog):
-    """The generic Triton kernel cannot hold a 576-wide latent for 64+ heads on a GPU: an MLA
-    target's attention runs the torch backend, with one warning."""
+def test_mla_target_attention_runs_the_mla_kernel(moe_pair):
+    """With the Triton attention backend an MLA target's layers run the MLA kernel (the generic
+    one cannot hold a 576-wide latent for 64+ heads on a GPU), the drafter the generic one; the
+    tokens are those of the torch backend (interpreted here)."""
     from blockspec.layers.attention import PagedAttention
 
-    with caplog.at_level("WARNING", logger="blockspec"):
-        llm = LLM(str(moe_pair[0]), device="cpu", attention_backend="triton", num_kv_blocks=16)
-    assert "MLA target: attention runs on the torch backend" in caplog.text
-    assert {m.backend.name for m in llm.engine.model.modules()
-            if isinstance(m, PagedAttention)} == {"torch"}
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = [prompt(21, 3), prompt(9, 4)]
+    toks = {}
+    for backend in ("torch", "triton"):
+        llm = LLM(str(moe_pair[0]), device="cpu", attention_backend=backend, num_kv_blocks=16,
+                  draft=str(moe_pair[1]), speculation_policy="fixed")
+        toks[backend] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    names = {m.backend.name for m in llm.engine.model.modules() if isinstance(m, PagedAttention)}
+    drafter = llm.engine.runner.proposer.drafter
+    assert names == {"triton_mla"}
+    assert {m.backend.name for m in drafter.modules() if isinstance(m, PagedAttention)} \
+        == {"triton"}
+    assert toks["triton"] == toks["torch"]

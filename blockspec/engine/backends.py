@@ -1,18 +1,15 @@
 """Which kernels a model's layers run: the attention and linear backends ("auto": Triton on
-CUDA, torch on CPU) set into every PagedAttention and Linear of the target and the drafter, a
-MoE layer's routed experts following the linear backend."""
+CUDA, torch on CPU) set into every PagedAttention and Linear of the target and the drafter, an
+MLA target's attention on the MLA kernel where the generic one would run, a MoE layer's routed
+experts following the linear backend."""
 
 from __future__ import annotations
-
-import logging
 
 import torch
 
 from blockspec.config import EngineConfig, ModelConfig
 from blockspec.layers.attention import PagedAttention, get_backend
 from blockspec.layers.linear import Linear
-
-log = logging.getLogger("blockspec")
 
 
 def set_backends(model: torch.nn.Module, drafter: torch.nn.Module | None, config: EngineConfig,
@@ -24,9 +21,10 @@ def set_backends(model: torch.nn.Module, drafter: torch.nn.Module | None, config
     attention = target_attention = get_backend(attention_name)
     if model_config.mla is not None and attention_name == "triton":
         # NOTE: the generic kernel's tile over a 576-wide latent and 64-128 heads needs more
-        # shared memory than an H100/H200 has (256-384 KB); an MLA kernel is to come.
-        log.warning("MLA target: attention runs on the torch backend (no MLA kernel yet)")
-        target_attention = get_backend("torch")
+        # shared memory than an H100/H200 has (256-384 KB): MLA has a kernel of its own.
+        from blockspec.layers.triton_mla import TritonMLABackend
+
+        target_attention = TritonMLABackend(kv_lora_rank=model_config.mla.kv_lora_rank)
     for net in (model, drafter):
         for m in net.modules() if net is not None else ():
             if isinstance(m, PagedAttention):

@@ -38,10 +38,11 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.model_config = ModelConfig.from_pretrained(config.model_path)
         mc = self.model_config
-        if mc.moe is not None and not config.enforce_eager and config.device != "cpu":
-            # NOTE: the torch experts read the router's choice on the host (no graph captures
-            # that); the grouped GEMMs (layers/fused_moe.py) await a GPU check in graphs.
-            log.warning("MoE target: CUDA graphs off (the routed experts run eagerly for now)")
+        if mc.moe is not None and not config.enforce_eager and config.device != "cpu" \
+                and config.linear_backend == "torch":
+            # NOTE: the torch experts read the router's choice on the host, which no graph
+            # captures; the grouped GEMMs (layers/fused_moe.py, the CUDA default) are captured.
+            log.warning("MoE target with linear_backend='torch': CUDA graphs off")
             config = dataclasses.replace(config, enforce_eager=True)
         self.config = config
         if config.max_model_len is not None and config.max_model_len > mc.max_position_embeddings:

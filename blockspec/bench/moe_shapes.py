@@ -1,0 +1,128 @@
+"""MoE target shapes for GPU benchmarks (issue 21): Moonlight-16B-A3B (Moonshot's DeepSeek-V3-
+architecture model) with a 4-layer DFlash drafter, and a Kimi-K2.6-width slice that fits one GPU;
+written as HF folders whose weights `load_format=dummy` fills at random. Plus the bytes a step
+of a MoE target must read (its floor) and per-layer forward timings of a slice."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from blockspec.config import ModelConfig
+from blockspec.dflash.checkpoint import new_drafter_config
+from blockspec.layers.attention import AttentionMetadata
+from blockspec.tiny import build_tokenizer
+
+__all__ = ["KIMI_MASK_TOKEN", "MOONLIGHT", "expert_bytes", "kimi_slice", "layer_times",
+           "step_floor_bytes", "write_moe_folders"]
+
+_DEEPSEEK = dict(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3",
+                 hidden_act="silu", topk_method="noaux_tc", scoring_func="sigmoid",
+                 norm_topk_prob=True, moe_layer_freq=1, n_group=1, topk_group=1,
+                 attention_bias=False, tie_word_embeddings=False, dtype="bfloat16",
+                 qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, kv_lora_rank=512,
+                 vocab_size=163840, rope_theta=50000.0, bos_token_id=163584,
+                 eos_token_id=163585)
+MOONLIGHT: dict[str, Any] = dict(
+    _DEEPSEEK, hidden_size=2048, intermediate_size=11264, moe_intermediate_size=1408,
+    num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16, n_shared_experts=2,
+    n_routed_experts=64, num_experts_per_tok=6, routed_scaling_factor=2.446, q_lora_rank=None,
+    first_k_dense_replace=1, max_position_embeddings=8192, rms_norm_eps=1e-5)
+KIMI_MASK_TOKEN = 163838  # Kimi K2.6's published drafter's mask token (DESIGN.md)
+
+
+def kimi_slice(num_moe_layers: int) -> dict[str, Any]:
+    """Kimi K2.6's text model at full width (MLA 1536 / 512 / 128 + 64 / 128, 384 experts of
+    2048, top 8, one shared) with its one dense layer and `num_moe_layers` MoE layers."""
+    return dict(_DEEPSEEK, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+                num_hidden_layers=1 + num_moe_layers, num_attention_heads=64,
+                num_key_value_heads=64, n_shared_experts=1, n_routed_experts=384,
+                num_experts_per_tok=8, routed_scaling_factor=2.827, q_lora_rank=1536,
+                first_k_dense_replace=1, max_position_embeddings=8192, rms_norm_eps=1e-5)
+
+
+def write_moe_folders(root: Path, name: str, shape: dict[str, Any], draft_layers: int = 0,
+                      block_size: int = 16) -> tuple[Path, Path | None]:
+    """(target, drafter or None) folders under `root`: config.json and a tokenizer (only for
+    the engine's tokenizer slot: prompts are token ids), no weights."""
+    target = root / name
+    target.mkdir(parents=True, exist_ok=True)
+    build_tokenizer(target)
+    (target / "config.json").write_text(json.dumps(shape))
+    if not draft_layers:
+        return target, None
+    drafter = root / f"{name}-dflash-b{block_size}"
+    drafter.mkdir(parents=True, exist_ok=True)
+    build_tokenizer(drafter)
+    cfg = new_drafter_config(ModelConfig.from_dict(shape, "deepseek_v3"), draft_layers,
+                             block_size, KIMI_MASK_TOKEN)
+    (drafter / "config.json").write_text(json.dumps(cfg.to_dict()))
+    return target, drafter
+
+
+def expert_bytes(model: torch.nn.Module) -> dict[str, int]:
+    """A MoE target's bytes by kind: `dense` (every weight a step reads whatever it routes:
+    attention, dense and shared MLPs, routers, norms, lm_head; not the embedding table, which a
+    step gathers a row of), `per_expert` (one routed expert of one layer), `moe_layers`."""
+    dense = routed = 0
+    for name, p in model.named_parameters():
+        if "embed_tokens" in name:
+            continue
+        if ".experts." in name:
+            routed += p.numel() * p.element_size()
+        else:
+            dense += p.numel() * p.element_size()
+    layers = model.moe_layers
+    per_expert = routed // (len(layers) * layers[0].moe.num_experts) if layers else 0
+    return {"dense": dense, "per_expert": per_expert, "moe_layers": len(layers)}
+
+
+def step_floor_bytes(parts: dict[str, int], experts_per_layer: float, kv_tokens: int,
+                     cfg: ModelConfig, extra: int = 0) -> float:
+    """Bytes a step must read: the dense weights, the distinct experts its tokens select in each
+    MoE layer, the latent KV cache of `kv_tokens` cached tokens (bf16) and `extra` (a drafter's
+    weights)."""
+    _, _, dim = cfg.kv_cache_geometry
+    kv = kv_tokens * cfg.num_hidden_layers * dim * 2
+    return parts["dense"] + experts_per_layer * parts["per_expert"] * parts["moe_layers"] \
+        + kv + extra
+
+
+def _forward_fn(model, n: int, q: int, context: int, stop_after: int | None):
+    """A closure running the target forward for `n` sequences of `q` new tokens at `context`
+    keys each (sharing one block table: the cache is only read), for graph timing."""
+    dev = next(model.parameters()).device
+    block = 16
+    table = list(range(-(-context // block)))
+    meta = AttentionMetadata.build([q] * n, [context] * n, [table] * n,
+                                   [table[-1] * block] * (n * q), dev)
+    ids = torch.randint(0, model.config.vocab_size, (n * q,), device=dev)
+    pos = torch.arange(context - q, context, device=dev).repeat(n)
+    taps = (stop_after,) if stop_after is not None else ()
+    return lambda: model(ids, pos, meta, taps, stop_after is not None)
+
+
+def layer_times(model, batches: list[int], block_lens: list[int], context: int,
+                graph_ms) -> list[dict[str, Any]]:
+    """Per (batch, tokens per sequence): the whole forward's time (CUDA graph replay), the dense
+    prefix's (embedding + the first_k_dense_replace layers), the mean MoE layer's
+    ((whole - prefix) / MoE layers) and the distinct experts a MoE layer's forward selected."""
+    k_dense = model.config.moe.first_k_dense_replace
+    n_moe = len(model.moe_layers)
+    rows = []
+    for n in batches:
+        for q in block_lens:
+            whole = _forward_fn(model, n, q, context, None)
+            model.reset_expert_counts()
+            whole()
+            selected, forwards = model.expert_counts().tolist()
+            t_all = graph_ms(whole)
+            t_pre = graph_ms(_forward_fn(model, n, q, context, k_dense - 1))
+            rows.append({"batch": n, "tokens_per_seq": q, "context": context,
+                         "forward_ms": t_all, "dense_prefix_ms": t_pre,
+                         "moe_layer_ms": (t_all - t_pre) / n_moe,
+                         "experts_per_moe_layer": selected / max(forwards, 1)})
+    return rows
