@@ -1,5 +1,5 @@
 """`blockspec` command line: generate, serve, bench, train-drafter, eval-acceptance,
-generate-data."""
+generate-data, inspect."""
 
 from __future__ import annotations
 
@@ -18,6 +18,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="HF model folder (config.json + safetensors + tokenizer). Default: the "
                         "embedded demo pair (a 15.7M-parameter Python-code Qwen3 and its DFlash "
                         "drafter; --draft none for the target alone)")
+    g.add_argument("--trust-remote-code", action="store_true",
+                   help="run the code a tokenizer ships (tokenizer_config.json's auto_map, e.g. "
+                        "Kimi's tiktoken tokenizer); off by default")
     g.add_argument("--device", choices=["cpu", "cuda"], default=None,
                    help="default: cuda when available, else cpu")
     g.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
@@ -107,7 +110,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         max_num_batched_tokens=args.max_num_batched_tokens,
         decode_step_prefill_tokens=args.decode_step_prefill_tokens,
         enable_prefix_caching=not args.no_prefix_caching, seed=args.seed,
-        draft=args.draft, block_size=args.block_size,
+        draft=args.draft, block_size=args.block_size, trust_remote_code=args.trust_remote_code,
         speculation_policy=args.speculation_policy, block_sizes=args.block_sizes,
         cost_profile=args.cost_profile, lazy_draft_context=args.lazy_draft_context,
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
@@ -230,6 +233,10 @@ def build_parser() -> argparse.ArgumentParser:
     from blockspec.train.cli import add_train_parser
 
     add_train_parser(sub)
+
+    from blockspec.cli_inspect import add_inspect_parser
+
+    add_inspect_parser(sub)
     return parser
 
 

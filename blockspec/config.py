@@ -39,6 +39,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     seed: int = 0
     tokenizer: str | None = None
+    # Run a tokenizer's own code (tokenizer_config.json's auto_map: Kimi's tiktoken tokenizer).
+    trust_remote_code: bool = False
     load_format: str = "auto"  # "dummy": random weights from config.json (benchmarks only)
     draft: str | None = None  # DFlash drafter folder: enables speculative decoding
     block_size: int | None = None  # speculative block (verified tokens); None: the drafter's

@@ -51,7 +51,8 @@ class LLMEngine:
         self.dtype = config.resolve_dtype(mc.dtype)
         torch.manual_seed(config.seed)
         self.device = torch.device(config.device)
-        self.tokenizer = load_tokenizer(config.tokenizer or config.model)
+        self.tokenizer = load_tokenizer(config.tokenizer or config.model,
+                                        config.trust_remote_code)
         self.model = load_model(config.model, mc, self.dtype, self.device, config.load_format)
         self.eos_token_ids = eos_token_ids(self.model_config, config.model, self.tokenizer)
 
