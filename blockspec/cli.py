@@ -1,5 +1,5 @@
-"""`blockspec` command line: generate, serve, bench, download, train-drafter, eval-acceptance,
-generate-data."""
+"""`blockspec` command line: generate, serve, bench, download, inspect, train-drafter,
+eval-acceptance, generate-data."""
 
 from __future__ import annotations
 
@@ -22,7 +22,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--revision", default=None,
                    help="Hub id models: branch, tag or commit (default: main)")
     g.add_argument("--trust-remote-code", action="store_true",
-                   help="Hub ids: also fetch the repos' *.py files; let the tokenizer run them")
+                   help="run the code a tokenizer ships (tokenizer_config.json's auto_map, e.g. "
+                        "Kimi's tiktoken tokenizer) and fetch Hub repos' *.py files; off by "
+                        "default")
     g.add_argument("--device", choices=["cpu", "cuda"], default=None,
                    help="default: cuda when available, else cpu")
     g.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
@@ -249,6 +251,10 @@ def build_parser() -> argparse.ArgumentParser:
     from blockspec.train.cli import add_train_parser
 
     add_train_parser(sub)
+
+    from blockspec.cli_inspect import add_inspect_parser
+
+    add_inspect_parser(sub)
     return parser
 
 

@@ -72,7 +72,8 @@ class EngineConfig:
     benchmark_mode: bool = False
     # `model`, `draft` and `tokenizer` may be Hub ids (org/name): the Hub revision (branch, tag
     # or commit; default main) of `model` and of `draft`, and whether their *.py files (remote
-    # code) are fetched and the tokenizer's may run.
+    # code) are fetched and a tokenizer's own code (tokenizer_config.json's auto_map: Kimi's
+    # tiktoken tokenizer) may run.
     revision: str | None = None
     draft_revision: str | None = None
     trust_remote_code: bool = False

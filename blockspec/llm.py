@@ -35,6 +35,7 @@ class LLM:
     `max_num_batched_tokens`, `kv_block_size`, `kv_cache_memory_gb`, `num_kv_blocks`,
     `gpu_memory_utilization`, `enable_prefix_caching`, `seed` (for requests without their own),
     `enforce_eager`, `attention_backend`, `linear_backend`, `tokenizer`,
+    `trust_remote_code` (run a tokenizer's own code, e.g. Kimi's tiktoken tokenizer),
     `load_format` ("dummy": random weights, benchmarks only).
     """
 

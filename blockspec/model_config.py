@@ -14,6 +14,7 @@ import torch
 
 from blockspec.deepseek_config import MLAConfig, MoEConfig, deepseek_fields
 from blockspec.errors import ConfigError
+from blockspec.quant_config import QuantConfig, parse_quantization
 
 SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
@@ -145,6 +146,7 @@ class ModelConfig:
     checkpoint_prefix: str = ""
     # DeepSeek-V3's multi-token-prediction layers, stored after the decoder's: not served.
     mtp_layers: int = 0
+    quant: QuantConfig | None = None  # a quantized checkpoint's format (quant_config.py)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
@@ -173,12 +175,8 @@ class ModelConfig:
     def from_pretrained(cls, path: str | os.PathLike) -> ModelConfig:
         raw = read_config_json(path, "model")
         cfg_file = Path(path) / "config.json"
-        quant = raw.get("quantization_config") or (raw.get("text_config") or {}).get(
-            "quantization_config")
-        if quant:
-            raise ConfigError(f"{cfg_file}: quantized checkpoints "
-                              f"({quant.get('quant_method', 'unknown method')}) are not "
-                              "supported yet; use a bf16/fp16/fp32 checkpoint")
+        quant = parse_quantization(raw.get("quantization_config") or (
+            raw.get("text_config") or {}).get("quantization_config"), str(cfg_file))
         archs = raw.get("architectures") or []
         prefix = next((_WRAPPERS[k] for k in [*archs, raw.get("model_type")] if k in _WRAPPERS),
                       None)
@@ -187,7 +185,7 @@ class ModelConfig:
                 raise ConfigError(f"{cfg_file}: a multimodal wrapper without a text_config")
             text = {k: raw[k] for k in ("eos_token_id", "bos_token_id") if k in raw}
             cfg = cls.from_dict({**text, **raw["text_config"]}, "deepseek_v3")
-            cfg.checkpoint_prefix = prefix
+            cfg.checkpoint_prefix, cfg.quant = prefix, quant
             return cfg
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
@@ -199,7 +197,9 @@ class ModelConfig:
                     f"unsupported architecture {archs or model_type!r} in {cfg_file}; "
                     f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
                 )
-        return cls.from_dict(raw, SUPPORTED_ARCHITECTURES[arch])
+        cfg = cls.from_dict(raw, SUPPORTED_ARCHITECTURES[arch])
+        cfg.quant = quant
+        return cfg
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any], model_type: str) -> ModelConfig:

@@ -216,15 +216,19 @@ def test_multi_token_prediction_layers_are_skipped(moe_pair, tmp_path):
                 load_model(dst, cfg, torch.float32, "cpu")
 
 
-def test_quantized_checkpoints_are_refused_by_name(moe_pair, tmp_path):
+def test_unserved_quantization_is_refused_by_name(moe_pair, tmp_path):
+    """compressed-tensors W4A16 and FP8 blocks are served (tests/test_quant_models.py); other
+    methods are refused with what is supported."""
     from blockspec.errors import ConfigError
 
     wrapped = kimi_k25_copy(moe_pair[0], tmp_path / "kimi")
     raw = json.loads((wrapped / "config.json").read_text())
-    raw["quantization_config"] = {"quant_method": "compressed-tensors"}
-    (wrapped / "config.json").write_text(json.dumps(raw))
-    with pytest.raises(ConfigError, match="compressed-tensors.*not supported yet"):
-        ModelConfig.from_pretrained(wrapped)
+    for quant, message in (({"quant_method": "gptq", "bits": 4}, "'gptq' is not supported"),
+                           ({"quant_method": "compressed-tensors"}, "without config_groups")):
+        raw["text_config"]["quantization_config"] = quant
+        (wrapped / "config.json").write_text(json.dumps(raw))
+        with pytest.raises(ConfigError, match=f"{message}.*supported: compressed-tensors"):
+            ModelConfig.from_pretrained(wrapped)
 
 
 def test_distinct_experts_per_layer_forward_are_counted(moe_pair):

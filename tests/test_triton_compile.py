@@ -101,6 +101,18 @@ def main() -> int:
         assert "cubin" in compile_sm90(moe._grouped_gemm, consts, dict(
             a_ptr="*bf16", w_ptr="*bf16", c_ptr="*bf16", scale_ptr="*fp32", sorted_ptr="*i64",
             tile_expert_ptr="*i64"))
+    import blockspec.layers.quant_gemm as qg
+
+    for fmt, w, s, group in (("int4", "*i32", "*bf16", (1, 32)), ("fp8", "*fp8e4nv", "*fp32",
+                                                                   (128, 128))):
+        for per_token, scale, block_m in ((True, False, moe.BLOCK_M), (False, True, moe.BLOCK_M),
+                                          (True, False, qg.DENSE_BLOCK_M)):
+            consts = dict(FORMAT=qg.FORMATS[fmt], GROUP_N=group[0], GROUP_K=group[1], TOP_K=8,
+                          A_PER_TOKEN=per_token, SCALE=scale, NUM_EXPERTS=384, BLOCK_M=block_m,
+                          BLOCK_N=64, BLOCK_K=64)
+            assert "cubin" in compile_sm90(qg._quant_grouped_gemm, consts, dict(
+                a_ptr="*bf16", w_ptr=w, s_ptr=s, c_ptr="*bf16", scale_ptr="*fp32",
+                sorted_ptr="*i64", tile_expert_ptr="*i64"))
     print("compiled")
     return 0
 

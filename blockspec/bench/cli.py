@@ -57,6 +57,8 @@ def _add_subcommands(parser: argparse.ArgumentParser,
     c.add_argument("--tokenizer", default=None,
                    help="tokenizer folder: chat datasets on the completions endpoint then use "
                         "its chat template (else turns are joined)")
+    c.add_argument("--trust-remote-code", action="store_true",
+                   help="run the code that --tokenizer ships (e.g. Kimi's tiktoken tokenizer)")
     c.add_argument("--request-timeout", type=float, default=600.0,
                    help="seconds per request (default 600)")
     _add_workload_args(s)

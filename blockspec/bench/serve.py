@@ -166,9 +166,9 @@ async def _bench(args: argparse.Namespace) -> dict[str, Any]:
     root = server_root(args.base_url)
     tokenizer = None
     if args.tokenizer:
-        from blockspec.engine.llm_engine import load_tokenizer
+        from blockspec.hf_tokenizer import load_tokenizer
 
-        tokenizer = load_tokenizer(args.tokenizer)
+        tokenizer = load_tokenizer(args.tokenizer, getattr(args, "trust_remote_code", False))
     counts = [requests_per_level(args.num_prompts, c) for c in levels]
     # NOTE: one dataset slice per level (file datasets cycle), so random prompts never repeat
     # across levels and a prefix cache cannot flatter later levels.

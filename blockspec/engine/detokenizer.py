@@ -11,7 +11,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from blockspec.config import ConfigError, ModelConfig
+from blockspec import hf_tokenizer
+from blockspec.config import ModelConfig
 
 
 class IncrementalDetokenizer:
@@ -41,12 +42,7 @@ class IncrementalDetokenizer:
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except Exception as e:  # transformers raises many types for a broken folder
-        raise ConfigError(f"could not load a tokenizer from {path!r}: {e}") from None
+    return hf_tokenizer.load_tokenizer(path, trust_remote_code)
 
 
 def eos_token_ids(model_config: ModelConfig, model_path: str, tokenizer: Any) -> tuple[int, ...]:

@@ -13,6 +13,9 @@ with fixed-size outputs (no host sync: a CUDA graph captures it), the GEMMs in `
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -76,18 +79,44 @@ def _grouped_gemm(a_ptr, w_ptr, c_ptr, scale_ptr, sorted_ptr, tile_expert_ptr, n
              acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])
 
 
-def _grouped(a: torch.Tensor, w: torch.Tensor, sorted_slots: torch.Tensor,
-             tile_expert: torch.Tensor, num_slots: int, top_k: int, per_token: bool,
+class Slots(NamedTuple):
+    """Every (token, pick) slot sorted by expert into tiles (`align_slots`)."""
+
+    sorted: torch.Tensor  # [P] slot ids, the sentinel num_slots in padding
+    tile_expert: torch.Tensor  # [P / BLOCK_M] each tile's expert, num_experts past the last
+    num_slots: int  # T * top_k
+    top_k: int
+
+
+# gemm(a, layer, slots, per_token, scale) -> [num_slots, N]: layer 0 (gate_up) or 1 (down) for
+# every slot; a's rows are tokens (per_token) or slots; scale: a factor per slot or None.
+GroupedGemm = Callable[[torch.Tensor, int, Slots, bool, "torch.Tensor | None"], torch.Tensor]
+
+
+def run_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, num_experts: int,
+                gemm: GroupedGemm) -> torch.Tensor:
+    """The routed experts around two grouped GEMMs (bf16 here, quantized in quant_gemm.py):
+    x [T, H], weights / ids [T, k] -> [T, H]."""
+    t, top_k = ids.shape
+    slots = Slots(*align_slots(ids, num_experts), t * top_k, top_k)
+    h = gemm(x.contiguous(), 0, slots, True, None)
+    gate, up = h.chunk(2, dim=-1)
+    act = (F.silu(gate.float()) * up.float()).to(x.dtype)
+    y = gemm(act, 1, slots, False, weights.reshape(-1).float().contiguous())
+    return y.view(t, top_k, -1).float().sum(dim=1).to(x.dtype)
+
+
+def _grouped(a: torch.Tensor, w: torch.Tensor, slots: Slots, per_token: bool,
              scale: torch.Tensor | None) -> torch.Tensor:
     n, k = w.shape[1], w.shape[2]
-    out = torch.empty(num_slots, n, dtype=a.dtype, device=a.device)
+    out = torch.empty(slots.num_slots, n, dtype=a.dtype, device=a.device)
     assert a.stride(1) == 1 and w.stride(2) == 1
     block_n = min(64, max(16, triton.next_power_of_2(n)))
     block_k = min(64, max(16, triton.next_power_of_2(k)))
-    grid = (tile_expert.numel(), triton.cdiv(n, block_n))
-    _grouped_gemm[grid](a, w, out, scale if scale is not None else out, sorted_slots,
-                        tile_expert, num_slots, n, k, a.stride(0), w.stride(0), w.stride(1),
-                        out.stride(0), TOP_K=top_k, A_PER_TOKEN=per_token,
+    grid = (slots.tile_expert.numel(), triton.cdiv(n, block_n))
+    _grouped_gemm[grid](a, w, out, scale if scale is not None else out, slots.sorted,
+                        slots.tile_expert, slots.num_slots, n, k, a.stride(0), w.stride(0),
+                        w.stride(1), out.stride(0), TOP_K=slots.top_k, A_PER_TOKEN=per_token,
                         SCALE=scale is not None, NUM_EXPERTS=w.shape[0], BLOCK_M=BLOCK_M,
                         BLOCK_N=block_n, BLOCK_K=block_k,
                         # NOTE: fp32 weights mean a reference run: full fp32 products, not tf32.
@@ -99,12 +128,7 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                   gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """experts_reference's result through the grouped GEMMs: x [T, H], weights / ids [T, k],
     gate_up [E, 2I, H], down [E, H, I] -> [T, H]."""
-    t, top_k = ids.shape
-    sorted_slots, tile_expert = align_slots(ids, gate_up.shape[0])
-    s = t * top_k
-    h = _grouped(x.contiguous(), gate_up, sorted_slots, tile_expert, s, top_k, True, None)
-    gate, up = h.chunk(2, dim=-1)
-    act = (F.silu(gate.float()) * up.float()).to(x.dtype)
-    y = _grouped(act, down, sorted_slots, tile_expert, s, top_k, False,
-                 weights.reshape(-1).float().contiguous())
-    return y.view(t, top_k, -1).float().sum(dim=1).to(x.dtype)
+    layers = (gate_up, down)
+    return run_experts(x, weights, ids, gate_up.shape[0],
+                       lambda a, layer, slots, per_token, scale:
+                       _grouped(a, layers[layer], slots, per_token, scale))

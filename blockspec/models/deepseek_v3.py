@@ -117,6 +117,13 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(moe.num_experts, cfg.hidden_size,
                                                   moe.moe_intermediate_size))
 
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                backend: str) -> torch.Tensor:
+        """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]): the grouped GEMMs ("triton") or
+        the torch reference. Quantized twins (models/quant_experts.py) take the same call."""
+        experts = fused_experts if backend == "triton" else experts_reference
+        return experts(x, weights, ids, self.gate_up_proj, self.down_proj)
+
 
 class MoE(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
@@ -143,9 +150,7 @@ class MoE(nn.Module):
         hit = torch.zeros(moe.num_experts, dtype=torch.bool, device=ids.device)
         self.expert_counts[0] += hit.index_fill_(0, ids.reshape(-1), True).sum()
         self.expert_counts[1] += 1
-        experts = fused_experts if self.experts_backend == "triton" else experts_reference
-        out = experts(x, weights.to(x.dtype), ids, self.experts.gate_up_proj,
-                      self.experts.down_proj)
+        out = self.experts(x, weights.to(x.dtype), ids, self.experts_backend)
         return out + self.shared_experts(x) if self.shared_experts is not None else out
 
 
@@ -162,6 +167,9 @@ class DeepseekV3ForCausalLM(CausalLM):
     """DeepseekV3ForCausalLM (also Kimi-K2's) with HF parameter names (after gate/up fusion)."""
 
     packed_modules = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    # NOTE: MLAttention reads kv_b_proj's weight itself (absorbed W_UK / W_UV): a quantized
+    # checkpoint's kv_b_proj is dequantized at load.
+    dense_weight_modules = ("kv_b_proj",)
 
     def __init__(self, cfg: ModelConfig) -> None:
         nn.Module.__init__(self)

@@ -14,6 +14,7 @@ from torch import nn
 
 from blockspec.config import ConfigError, ModelConfig
 from blockspec.models.deepseek_v3 import DeepseekV3ForCausalLM
+from blockspec.models.quant_loader import QuantTensors, build_quantized, init_dummy_quant
 from blockspec.models.qwen3 import CausalLM
 
 log = logging.getLogger("blockspec")
@@ -24,8 +25,10 @@ MODEL_CLASSES: dict[str, type[CausalLM]] = {"qwen3": CausalLM, "llama": CausalLM
 # Present in some checkpoints, recomputed here.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 # One routed expert's matrix, as published checkpoints store them (transformers 5 fuses them
-# into experts.gate_up_proj [E, 2I, H] and experts.down_proj [E, H, I], as the model does).
-_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+# into experts.gate_up_proj [E, 2I, H] and experts.down_proj [E, H, I], as the model does), or
+# a quantized one's pieces (models/quant_experts.py names the fused tensors after them).
+_EXPERT = re.compile(r"^(.*\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\."
+                     r"weight(|_packed|_scale|_scale_inv)$")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
@@ -50,8 +53,11 @@ def build_model(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with torch.device(device):
-            model = MODEL_CLASSES[cfg.model_type](cfg)
+        if cfg.quant is not None:
+            model = build_quantized(MODEL_CLASSES[cfg.model_type], cfg, dtype, device)
+        else:
+            with torch.device(device):
+                model = MODEL_CLASSES[cfg.model_type](cfg)
     finally:
         torch.set_default_dtype(prev)
     return model.eval().requires_grad_(False)
@@ -79,6 +85,7 @@ def load_weights(model: nn.Module, path: str | Path, ignore_prefixes: tuple[str,
     cfg = cfg if isinstance(cfg, ModelConfig) else None
     loaded: set[str] = set()
     skipped: Counter[str] = Counter()
+    quant = QuantTensors(model, cfg) if cfg is not None and cfg.quant is not None else None
     for file in safetensors_files(path):
         with safe_open(str(file), framework="pt") as f:
             for key in f.keys():
@@ -88,10 +95,14 @@ def load_weights(model: nn.Module, path: str | Path, ignore_prefixes: tuple[str,
                     continue
                 if name == "lm_head.weight" and name not in params:
                     continue  # tied embeddings: the model has no lm_head of its own
+                tensor = f.get_tensor(key)
                 try:
-                    loaded.add(copy_weight(model, name, f.get_tensor(key), params))
+                    for n, t in quant.offer(name, tensor) if quant else [(name, tensor)]:
+                        loaded.add(copy_weight(model, n, t, params))
                 except KeyError:
                     raise ConfigError(f"unexpected weight {name!r} in {file.name}") from None
+    if quant is not None:
+        quant.finish()
     if skipped["outside"]:
         log.info("text-only: skipped %d weights outside %r (the wrapper's other modules)",
                  skipped["outside"], cfg.checkpoint_prefix)
@@ -131,15 +142,28 @@ def copy_weight(model: nn.Module, name: str, tensor: torch.Tensor,
     if shard is None:
         _copy(param.data, tensor, name)
         return target
-    sizes = model.shard_sizes(target)
+    sizes = _shard_rows(model, target)
     _copy(param.data.narrow(0, sum(sizes[:shard]), sizes[shard]), tensor, name)
     return f"{target}#{shard}"
 
 
+def _shard_rows(model: nn.Module, target: str) -> list[int]:
+    """Rows of each shard of packed parameter `target`; a block-scaled FP8 scale has one row
+    per block of weight rows, so every shard must fill whole blocks."""
+    module, _, param = target.rpartition(".")
+    if param != "weight_scale_inv":
+        return model.shard_sizes(target)
+    rows, bn = model.shard_sizes(f"{module}.weight"), model.get_submodule(module).block[0]
+    if any(r % bn for r in rows):
+        raise ConfigError(f"{module}: fp8 shards of {rows} rows do not fill whole {bn}-row "
+                          "scale blocks, so they cannot share one tensor")
+    return [r // bn for r in rows]
+
+
 def _copy_expert(m: re.Match, tensor: torch.Tensor, params: dict[str, nn.Parameter]) -> str:
     """One expert's gate/up/down matrix into its row of the fused expert tensors."""
-    prefix, e, proj = m.group(1), int(m.group(2)), m.group(3)
-    target = f"{prefix}.down_proj" if proj == "down_proj" else f"{prefix}.gate_up_proj"
+    prefix, e, proj, suffix = m.group(1), int(m.group(2)), m.group(3), m.group(4)
+    target = f"{prefix}.{'down_proj' if proj == 'down_proj' else 'gate_up_proj'}{suffix}"
     dst = params[target].data[e]
     if proj != "down_proj":
         half = dst.shape[0] // 2
@@ -152,8 +176,10 @@ def _whole_experts(loaded: set[str], params: dict[str, nn.Parameter]) -> set[str
     """Fused expert tensors every one of whose experts' matrices was loaded."""
     whole = set()
     for name, p in params.items():
-        parts = {"experts.gate_up_proj": ("gate_proj", "up_proj"),
-                 "experts.down_proj": ("down_proj",)}.get(".".join(name.split(".")[-2:]))
+        module, _, fused = name.rpartition(".")
+        base = re.sub(r"_(packed|scale|scale_inv)$", "", fused)
+        parts = {"gate_up_proj": ("gate_proj", "up_proj"),
+                 "down_proj": ("down_proj",)}.get(base) if module.endswith("experts") else None
         if parts and all(f"{name}#{e}.{q}" in loaded for e in range(p.shape[0]) for q in parts):
             whole.add(name)
     return whole
@@ -171,6 +197,9 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
     if dst.shape != src.shape:
         raise ConfigError(f"weight {name!r} has shape {tuple(src.shape)}, "
                           f"the config implies {tuple(dst.shape)}")
+    if dst.dtype != src.dtype and torch.float8_e4m3fn in (dst.dtype, src.dtype):
+        raise ConfigError(f"weight {name!r} is {src.dtype} in the checkpoint where its "
+                          f"quantization_config implies {dst.dtype}")
     dst.copy_(src)
 
 
@@ -178,6 +207,8 @@ def init_dummy_weights(model: nn.Module, std: float = 0.02, seed: int = 0) -> No
     """Random weights of the right shapes (vLLM's `load_format=dummy`), for system benchmarks."""
     gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
     for name, p in model.named_parameters():
+        if init_dummy_quant(name, p, std, gen):
+            continue
         if name.endswith("norm.weight"):
             p.data.fill_(1.0)
         elif name.endswith("bias"):

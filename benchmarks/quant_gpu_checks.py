@@ -1,0 +1,120 @@
+"""GPU checks of the quantized kernels (layers/quant_gemm.py), bf16 activations, before any
+quantized model runs on a GPU:
+
+1. W4A16 int4 (group 32, bf16 scales) and FP8 (128 x 128 blocks) routed experts at Kimi-K2 /
+   DeepSeek-V3 expert shapes (384 / 256 experts of 2048, top 8, hidden 7168) == experts_reference
+   over the dequantized bf16 weights, decode to prefill sizes; captured in a CUDA graph and
+   replayed on new routing.
+2. Dense layers (MLA's q_b_proj, o_proj shapes) through quant_linear == F.linear over the
+   dequantized weight, at 1, 16 and 300 rows.
+
+Usage: python benchmarks/quant_gpu_checks.py [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from blockspec.bench.common import git_commit, recorded_command
+from blockspec.layers.moe import experts_reference, select_experts
+from blockspec.layers.quant_dequant import DequantizedExperts, QuantWeight, dequantize
+from blockspec.layers.quant_gemm import fused_experts_quant, quant_linear
+
+H, INTER, TOP_K = 7168, 2048, 8
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
+
+
+def random_weight(fmt: str, shape: tuple[int, ...], k: int, g: torch.Generator) -> QuantWeight:
+    if fmt == "int4":
+        data = torch.randint(-(1 << 31), (1 << 31) - 1, (*shape, k // 8), dtype=torch.int32,
+                             device="cuda", generator=g)
+        scale = torch.full((*shape, k // 32), 0.5 / k**0.5, dtype=torch.bfloat16, device="cuda")
+        return QuantWeight("int4", data, scale, (1, 32), k)
+    data = torch.randn(*shape, k, device="cuda", generator=g).to(torch.float8_e4m3fn)
+    scale = torch.rand(*shape[:-1], -(-shape[-1] // 128), -(-k // 128), device="cuda",
+                       generator=g) / k**0.5
+    return QuantWeight("fp8", data, scale, (128, 128), k)
+
+
+def check_experts(fmt: str, num_experts: int, report: dict) -> None:
+    g = torch.Generator(device="cuda").manual_seed(3)
+    gate_up = random_weight(fmt, (num_experts, 2 * INTER), H, g)
+    down = random_weight(fmt, (num_experts, H), INTER, g)
+
+    def ref(x, w, ids):
+        return experts_reference(x, w, ids, DequantizedExperts(gate_up, x.dtype),
+                                 DequantizedExperts(down, x.dtype))
+
+    def routing(t: int):
+        w, ids = select_experts(torch.randn(t, num_experts, device="cuda", generator=g), None,
+                                TOP_K, 1, 1, True, 2.8)
+        return w.to(torch.bfloat16), ids
+
+    errs = {}
+    for t in (1, 16, 300):
+        x = torch.randn(t, H, device="cuda", dtype=torch.bfloat16, generator=g)
+        w, ids = routing(t)
+        errs[t] = rel_err(fused_experts_quant(x, w, ids, gate_up, down), ref(x, w, ids))
+    x = torch.randn(16, H, device="cuda", dtype=torch.bfloat16, generator=g)
+    w, ids = routing(16)
+    fused_experts_quant(x, w, ids, gate_up, down)  # warm-up: compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fused_experts_quant(x, w, ids, gate_up, down)
+    w2, ids2 = routing(16)
+    w.copy_(w2)
+    ids.copy_(ids2)
+    graph.replay()
+    errs["graph_t16"] = rel_err(out, ref(x, w, ids))
+    report[f"{fmt}_experts_rel_err"] = errs
+    print(f"{fmt} experts ({num_experts}): {errs}")
+    assert all(v < 2e-2 for v in errs.values())
+
+
+def check_dense(fmt: str, report: dict) -> None:
+    g = torch.Generator(device="cuda").manual_seed(4)
+    errs = {}
+    for n, k in ((64 * 192, 1536), (H, 64 * 128)):
+        w = random_weight(fmt, (n,), k, g)
+        dense = dequantize(w).to(torch.bfloat16)
+        for m in (1, 16, 300):
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16, generator=g)
+            errs[f"{n}x{k}_m{m}"] = rel_err(quant_linear(x, w), F.linear(x, dense))
+    report[f"{fmt}_linear_rel_err"] = errs
+    print(f"{fmt} linear: {errs}")
+    assert all(v < 2e-2 for v in errs.values())
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="quant_gpu_checks.json")
+    args = ap.parse_args()
+    report: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                    "command": recorded_command("benchmarks/quant_gpu_checks.py"),
+                    "commit": git_commit()}
+    ok = True
+    checks = [lambda r: check_experts("int4", 384, r), lambda r: check_experts("fp8", 256, r),
+              lambda r: check_dense("int4", r), lambda r: check_dense("fp8", r)]
+    for i, check in enumerate(checks):
+        try:
+            check(report)
+        except Exception as e:  # keep going: report every failing check
+            ok = False
+            report[f"check_{i}_error"] = repr(e)
+            print(f"FAILED check {i}: {e!r}")
+    report["all_passed"] = ok
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

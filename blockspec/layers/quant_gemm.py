@@ -1,0 +1,112 @@
+"""Grouped GEMMs over quantized weights in Triton, dequantizing each weight tile in the kernel
+(16-bit activations, fp32 accumulation): compressed-tensors W4A16 int4 and block-scaled FP8
+(W8A16). One kernel serves the routed experts (fused_moe.py's slot tiles, one expert's weight per
+tile) and dense Linear layers (one "expert", the rows in order).
+
+Per weight tile [BLOCK_K, BLOCK_N]:
+    int4: nibble (k % 8) of word k // 8, minus 8, times scale[n, k // group]
+    fp8:  the e4m3 value times scale_inv[n // block_n, k // block_k]
+exact in fp32, then rounded once to the activations' dtype for tl.dot. With 16-bit
+activations and scales of the same dtype (Kimi's bf16) that is quant_dequant's dense weight in
+that dtype, which rounds in the scale's dtype. Launch shapes depend on tensor shapes only and
+nothing reads back to the host, so CUDA graphs capture these launches.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from blockspec.layers.fused_moe import BLOCK_M, Slots, run_experts
+from blockspec.layers.quant_dequant import QuantWeight
+
+FORMATS = {"int4": 0, "fp8": 1}
+DENSE_BLOCK_M = 64  # rows per tile for dense layers past a decode step's few rows
+
+
+@triton.jit
+def _quant_grouped_gemm(a_ptr, w_ptr, s_ptr, c_ptr, scale_ptr, sorted_ptr, tile_expert_ptr,
+                        num_slots, n, k, stride_am, stride_we, stride_wn, stride_se, stride_sn,
+                        stride_cm, FORMAT: tl.constexpr, GROUP_N: tl.constexpr,
+                        GROUP_K: tl.constexpr, TOP_K: tl.constexpr, A_PER_TOKEN: tl.constexpr,
+                        SCALE: tl.constexpr, NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """C[slot, :] = A[row of slot] @ dequant(W[expert]).T (times scale[slot]), one tile."""
+    tile, pid_n = tl.program_id(0), tl.program_id(1)
+    expert = tl.load(tile_expert_ptr + tile)
+    if expert >= NUM_EXPERTS:
+        return
+    slots = tl.load(sorted_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = slots < num_slots
+    rows = slots // TOP_K if A_PER_TOKEN else slots
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < n
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    w_base = w_ptr + expert.to(tl.int64) * stride_we + cols[None, :].to(tl.int64) * stride_wn
+    s_base = s_ptr + expert.to(tl.int64) * stride_se + (cols // GROUP_N)[None, :] * stride_sn
+    for k0 in range(0, k, BLOCK_K):
+        kk = k0 + tl.arange(0, BLOCK_K)
+        k_ok = kk < k
+        a = tl.load(a_ptr + rows[:, None].to(tl.int64) * stride_am + kk[None, :],
+                    mask=valid[:, None] & k_ok[None, :], other=0.0)
+        w_ok = col_ok[None, :] & k_ok[:, None]
+        if FORMAT == 0:
+            # NOTE: eight values per int32 along k; the word is read once per value, from cache.
+            words = tl.load(w_base + (kk // 8)[:, None], mask=w_ok, other=0)
+            q = ((words >> ((kk % 8) * 4)[:, None]) & 0xF) - 8
+        else:
+            q = tl.load(w_base + kk[:, None], mask=w_ok, other=0.0)
+        s = tl.load(s_base + (kk // GROUP_K)[:, None], mask=w_ok, other=0.0)
+        w = (q.to(tl.float32) * s.to(tl.float32)).to(a.dtype)
+        acc += tl.dot(a, w, out_dtype=tl.float32)
+    if SCALE:
+        acc *= tl.load(scale_ptr + slots, mask=valid, other=0.0)[:, None]
+    tl.store(c_ptr + slots[:, None].to(tl.int64) * stride_cm + cols[None, :],
+             acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])
+
+
+def quant_grouped(a: torch.Tensor, w: QuantWeight, slots: Slots, per_token: bool,
+                  scale: torch.Tensor | None, block_m: int = BLOCK_M) -> torch.Tensor:
+    """[num_slots, N]: each slot's row of `a` times its expert's dequantized weight. `w`'s data
+    and scale are [E, N, ...] (experts) or [N, ...] (one dense weight)."""
+    data, s = w.data, w.scale
+    experts = data.shape[0] if data.dim() == 3 else 1
+    n, k = w.n, w.k
+    assert a.stride(1) == 1 and data.stride(-1) == 1 and s.stride(-1) == 1 and a.shape[1] == k
+    out = torch.empty(slots.num_slots, n, dtype=a.dtype, device=a.device)
+    block_n = min(64, max(16, triton.next_power_of_2(n)))
+    block_k = min(64, max(16, triton.next_power_of_2(k)))
+    grid = (slots.tile_expert.numel(), triton.cdiv(n, block_n))
+    _quant_grouped_gemm[grid](
+        a, data, s, out, scale if scale is not None else out, slots.sorted, slots.tile_expert,
+        slots.num_slots, n, k, a.stride(0), data.stride(0) if experts > 1 else 0,
+        data.stride(-2), s.stride(0) if experts > 1 else 0, s.stride(-2), out.stride(0),
+        FORMAT=FORMATS[w.fmt], GROUP_N=w.group[0], GROUP_K=w.group[1], TOP_K=slots.top_k,
+        A_PER_TOKEN=per_token, SCALE=scale is not None, NUM_EXPERTS=experts, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_K=block_k)
+    return out
+
+
+def fused_experts_quant(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                        gate_up: QuantWeight, down: QuantWeight) -> torch.Tensor:
+    """experts_reference over the dequantized experts, as two quantized grouped GEMMs:
+    x [T, H], weights / ids [T, k], gate_up [E, 2I, H], down [E, H, I] -> [T, H]."""
+    layers = (gate_up, down)
+    return run_experts(x, weights, ids, gate_up.data.shape[0],
+                       lambda a, layer, slots, per_token, scale:
+                       quant_grouped(a, layers[layer], slots, per_token, scale))
+
+
+def quant_linear(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
+    """x [..., K] @ dequant(w).T -> [..., N] in x's dtype (no bias)."""
+    a = x.reshape(-1, x.shape[-1]).contiguous()
+    m = a.shape[0]
+    block_m = BLOCK_M if m <= BLOCK_M else DENSE_BLOCK_M
+    p = triton.cdiv(max(m, 1), block_m) * block_m
+    # NOTE: the rows in order, padded to whole tiles with the sentinel m; one "expert".
+    rows = torch.arange(p, device=a.device)
+    slots = Slots(torch.where(rows < m, rows, m),
+                  torch.zeros(p // block_m, dtype=torch.int64, device=a.device), m, 1)
+    return quant_grouped(a, w, slots, True, None, block_m).view(*x.shape[:-1], w.n)
+

@@ -1,0 +1,111 @@
+"""The quantized grouped GEMMs (layers/quant_gemm.py: W4A16 int4 and block-scaled FP8, for
+routed experts and dense layers) against plain-torch references, run by Triton's interpreter
+on CPU; the torch dequantization against compressed-tensors' own unpacking."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from blockspec.layers.fused_moe import BLOCK_M  # noqa: E402
+from blockspec.layers.moe import select_experts  # noqa: E402
+from blockspec.layers.quant_dequant import (  # noqa: E402
+    QuantWeight,
+    dequantize,
+    dequantize_int4,
+    unpack_int4,
+)
+from blockspec.layers.quant_gemm import fused_experts_quant, quant_linear  # noqa: E402
+
+TOL = dict(atol=1e-4, rtol=1e-4)
+
+
+def int4(shape: tuple[int, ...], k: int, group: int, g: torch.Generator,
+         scale_dtype: torch.dtype = torch.float32) -> QuantWeight:
+    packed = torch.randint(-(1 << 31), (1 << 31) - 1, (*shape, k // 8), dtype=torch.int32,
+                           generator=g)
+    scale = (torch.rand(*shape, k // group, generator=g) * 0.02 + 0.01).to(scale_dtype)
+    return QuantWeight("int4", packed, scale, (1, group), k)
+
+
+def fp8(shape: tuple[int, ...], k: int, block: tuple[int, int], g: torch.Generator
+        ) -> QuantWeight:
+    w = (torch.randn(*shape, k, generator=g) * 40).to(torch.float8_e4m3fn)
+    rows = -(-shape[-1] // block[0])
+    scale = torch.rand(*shape[:-1], rows, -(-k // block[1]), generator=g) * 0.01 + 0.001
+    return QuantWeight("fp8", w, scale, block, k)
+
+
+def ref_fp8(w: QuantWeight) -> torch.Tensor:
+    """Element by element: w[n, k] * scale[n // bn, k // bk]."""
+    n = torch.arange(w.n)[:, None] // w.group[0]
+    k = torch.arange(w.k)[None, :] // w.group[1]
+    return w.data.float() * w.scale[..., n, k]
+
+
+def ref_int4(w: QuantWeight) -> torch.Tensor:
+    """Exact in fp32 (the kernel rounds once, to the activations' dtype)."""
+    return unpack_int4(w.data, w.k).float() * w.scale.float().repeat_interleave(w.group[1], -1)
+
+
+def test_int4_unpacking_is_compressed_tensors_order():
+    from compressed_tensors.compressors.pack_quantized import pack_to_int32, unpack_from_int32
+
+    q = torch.randint(-8, 8, (6, 64), dtype=torch.int8, generator=torch.Generator().manual_seed(0))
+    packed = pack_to_int32(q, 4)
+    assert torch.equal(unpack_int4(packed, 64), q)
+    assert torch.equal(unpack_from_int32(packed, 4, torch.Size([6, 64])), unpack_int4(packed, 64))
+    scale = torch.rand(6, 2, dtype=torch.bfloat16)
+    torch.testing.assert_close(dequantize_int4(packed, scale, 32, 64),
+                               q.to(torch.bfloat16) * scale.repeat_interleave(32, 1), rtol=0,
+                               atol=0)
+
+
+def test_fp8_dequantization_covers_partial_edge_blocks():
+    g = torch.Generator().manual_seed(1)
+    w = fp8((40,), 70, (16, 32), g)  # 40 = 2.5 row blocks, 70 = 2.2 column blocks
+    torch.testing.assert_close(dequantize(w), ref_fp8(w), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("m", [1, 5, BLOCK_M + 1, 70])
+@pytest.mark.parametrize("fmt", ["int4", "int4_channel", "int4_bf16_scale", "fp8", "fp8_edge"])
+def test_quant_linear_matches_dequantized_matmul(fmt, m):
+    g = torch.Generator().manual_seed(m)
+    w = {"int4": lambda: int4((72,), 96, 32, g),
+         "int4_channel": lambda: int4((72,), 96, 96, g),
+         "int4_bf16_scale": lambda: int4((72,), 96, 32, g, torch.bfloat16),
+         "fp8": lambda: fp8((64,), 128, (32, 64), g),
+         "fp8_edge": lambda: fp8((40,), 70, (16, 32), g)}[fmt]()
+    x = torch.randn(m, w.k, generator=g)
+    dense = ref_fp8(w) if w.fmt == "fp8" else ref_int4(w)
+    torch.testing.assert_close(quant_linear(x, w), x @ dense.T, **TOL)
+
+
+def experts_ref(x, weights, ids, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+    """sum_k weight * down_e(silu(gate_e x) * up_e x), token by token."""
+    out = torch.zeros_like(x)
+    for t in range(x.shape[0]):
+        for w, e in zip(weights[t].tolist(), ids[t].tolist()):
+            gate, up = (gate_up[e] @ x[t]).chunk(2)
+            out[t] += w * (down[e] @ (torch.nn.functional.silu(gate) * up))
+    return out
+
+
+@pytest.mark.parametrize("t", [1, 6, 37])
+@pytest.mark.parametrize("fmt", ["int4", "fp8"])
+def test_quant_experts_match_the_reference(fmt, t):
+    g = torch.Generator().manual_seed(t)
+    e, h, i = 8, 64, 32
+    if fmt == "int4":
+        gate_up, down = int4((e, 2 * i), h, 32, g), int4((e, h), i, 32, g)
+    else:
+        gate_up, down = fp8((e, 2 * i), h, (16, 32), g), fp8((e, h), i, (16, 32), g)
+    dense = [ref_fp8(w) if fmt == "fp8" else ref_int4(w) for w in (gate_up, down)]
+    x = torch.randn(t, h, generator=g)
+    weights, ids = select_experts(torch.randn(t, e, generator=g), None, 2, 1, 1, True, 2.5)
+    if t == 37:  # more slots than a tile for one expert, none for most
+        ids = torch.stack([torch.full((t,), 5), torch.full((t,), 2)], dim=1)
+    torch.testing.assert_close(fused_experts_quant(x, weights, ids, gate_up, down),
+                               experts_ref(x, weights, ids, *dense), **TOL)
