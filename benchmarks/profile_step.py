@@ -50,11 +50,33 @@ def profile_step(llm, n: int, ctx: int, iters: int = 10) -> dict:
                     for k, t, c in rows[:25]]}
 
 
+def profile_moonlight(tmp: Path, out: Path) -> int:
+    from blockspec import LLM
+    from blockspec.bench.moe_shapes import MOONLIGHT, write_moe_folders
+
+    target, _ = write_moe_folders(tmp, "moonlight", MOONLIGHT)
+    llm = LLM(str(target), device="cuda", dtype="bfloat16", load_format="dummy",
+              max_model_len=2048, kv_cache_memory_gb=4, max_num_seqs=32, enforce_eager=True,
+              enable_prefix_caching=False)
+    res = {"device": torch.cuda.get_device_name(), "moonlight_ar_b1":
+           profile_step(llm, 1, INPUT_LEN + 128)}
+    r = res["moonlight_ar_b1"]
+    print(f"== moonlight ar_b1: {r['gpu_us_per_step']:.0f} us of kernels per step")
+    for row in r["top"]:
+        print(f"  {row['us_per_step']:8.1f} us  x{row['calls_per_step']:4d}  {row['kernel']}")
+    out.write_text(json.dumps(res, indent=2) + "\n")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
+    ap.add_argument("--moonlight", action="store_true",
+                    help="AR at batch 1 on the Moonlight-16B-A3B shape (MLA + MoE) only")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp())
+    if args.moonlight:
+        return profile_moonlight(tmp, Path(args.out))
     target, drafter = write_folders(tmp)
     res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     ctx = INPUT_LEN + 128
