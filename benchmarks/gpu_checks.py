@@ -267,6 +267,17 @@ def check_fused_moe(report: dict) -> None:
     graph.replay()
     errs["graph_t16"] = rel_err(out, experts_reference(x, w, ids, gate_up, down))
     report["fused_moe_rel_err"] = errs
+    from blockspec.layers.fused_moe import align_slots_kernel, align_slots_reference
+
+    same = {}
+    for t in (1, 16, 128):  # the one-program alignment == the torch sort, slot for slot
+        _, ids = select_experts(torch.randn(t, e, device="cuda", generator=g), None, k, 1, 1,
+                                True, 2.8)
+        got, want = align_slots_kernel(ids, e), align_slots_reference(ids, e)
+        same[t] = bool(torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]))
+    report["moe_align_kernel_equals_torch"] = same
+    print(f"MoE alignment kernel == torch sort: {same}")
+    assert all(same.values())
     print(f"fused MoE: {errs}")
     assert all(v < 2e-2 for v in errs.values())
 

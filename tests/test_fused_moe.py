@@ -52,3 +52,21 @@ def test_alignment_pads_each_expert_to_whole_tiles():
         else:
             assert not real
     assert sorted(x for x in slots.tolist() if x < s) == list(range(s))
+
+
+@pytest.mark.parametrize("t,k,e,block_m", [(1, 6, 64, 16), (3, 2, 4, 4), (37, 8, 384, 16),
+                                           (64, 6, 64, 16), (5, 1, 6, 4), (128, 8, 16, 16)])
+def test_alignment_kernel_equals_the_torch_sort(t, k, e, block_m):
+    """One Triton program (the decode-sized path on a GPU) == the stable torch sort, slot for
+    slot; the distinct experts and the forward are added to the counters."""
+    from blockspec.layers.fused_moe import align_slots_kernel, align_slots_reference
+
+    g = torch.Generator().manual_seed(t * 31 + e)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    if t == 37:
+        ids[:, 0] = 7  # one expert with more slots than a tile, most with none
+    stats = torch.tensor([5, 2])
+    got = align_slots_kernel(ids, e, block_m, stats)
+    want = align_slots_reference(ids, e, block_m)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert stats.tolist() == [5 + ids.unique().numel(), 3]

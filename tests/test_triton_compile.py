@@ -101,6 +101,13 @@ def main() -> int:
         assert "cubin" in compile_sm90(moe._grouped_gemm, consts, dict(
             a_ptr="*bf16", w_ptr="*bf16", c_ptr="*bf16", scale_ptr="*fp32", sorted_ptr="*i64",
             tile_expert_ptr="*i64"))
+    for experts, block_s in ((64, 128), (384, 16)):
+        consts = dict(NUM_EXPERTS=experts, E_PAD=triton.next_power_of_2(experts),
+                      BLOCK_M=moe.BLOCK_M, BLOCK_S=block_s, COUNT=True)
+        kernel = compile_kernel_sm90(moe._align_kernel, consts, dict(
+            ids_ptr="*i64", sorted_ptr="*i64", tile_expert_ptr="*i64", stats_ptr="*i64"),
+            num_warps=8)
+        assert "cubin" in kernel.asm and kernel.metadata.shared <= SHARED_LIMIT
     import blockspec.layers.quant_gemm as qg
 
     for fmt, w, s, group in (("int4", "*i32", "*bf16", (1, 32)), ("fp8", "*fp8e4nv", "*fp32",

@@ -21,14 +21,36 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from blockspec.layers.moe import count_experts
+
 BLOCK_M = 16  # slots per tile: a decode step's few tokens per expert waste little of it
 
 
-def align_slots(ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+# Slots up to which one Triton program aligns them (decode and small verify steps: one launch
+# instead of the ~17 small torch kernels below); larger steps sort in torch.
+ALIGN_KERNEL_MAX_SLOTS = 1024
+
+
+def align_slots(ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M,
+                stats: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """ids [T, k] -> (slots sorted by expert, each expert's run padded to whole tiles with the
     sentinel T * k [P]; the expert of each tile, num_experts past the last one [P / block_m]).
-    P = T * k + E * (block_m - 1) rounded up to block_m: fixed by the shapes alone."""
+    P = T * k + E * (block_m - 1) rounded up to block_m: fixed by the shapes alone. `stats`
+    (int64 [2]): the distinct experts selected and 1 are added to it (MoE.expert_counts)."""
+    if ids.is_cuda and ids.numel() <= ALIGN_KERNEL_MAX_SLOTS:
+        return align_slots_kernel(ids, num_experts, block_m, stats)
+    if stats is not None:
+        count_experts(ids, num_experts, stats)
+    return align_slots_reference(ids, num_experts, block_m)
+
+
+def _padded_size(num_slots: int, num_experts: int, block_m: int) -> int:
+    return -(-(num_slots + num_experts * (block_m - 1)) // block_m) * block_m
+
+
+def align_slots_reference(ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """align_slots in torch (a stable sort by expert)."""
     flat = ids.reshape(-1)
     s = flat.numel()
     dev = flat.device
@@ -39,11 +61,68 @@ def align_slots(ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M
     starts = padded.cumsum(0) - padded
     expert_of = flat[order]
     rank = torch.arange(s, device=dev) - (counts.cumsum(0) - counts)[expert_of]
-    p = -(-(s + num_experts * (block_m - 1)) // block_m) * block_m
+    p = _padded_size(s, num_experts, block_m)
     sorted_slots = torch.full((p,), s, dtype=torch.int64, device=dev)
     sorted_slots[starts[expert_of] + rank] = order
     tile_starts = torch.arange(0, p, block_m, device=dev)
     tile_expert = torch.searchsorted(padded.cumsum(0), tile_starts, right=True)
+    return sorted_slots, tile_expert
+
+
+@triton.jit
+def _align_kernel(ids_ptr, sorted_ptr, tile_expert_ptr, stats_ptr, num_slots, num_padded,
+                  NUM_EXPERTS: tl.constexpr, E_PAD: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_S: tl.constexpr, COUNT: tl.constexpr):
+    """align_slots_reference's outputs from one program: the experts' slot counts, their
+    tile-padded runs, then each slot at its run's next place (stable: a chunk's slots of one
+    expert are ranked by a cumulative sum down the chunk's one-hot rows)."""
+    experts = tl.arange(0, E_PAD)
+    counts = tl.zeros([E_PAD], tl.int32)
+    for s0 in range(0, num_slots, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        e = tl.load(ids_ptr + s, mask=s < num_slots, other=E_PAD)  # E_PAD matches no expert
+        counts += tl.sum((e[:, None] == experts[None, :]).to(tl.int32), 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    for p0 in range(0, num_padded, BLOCK_S):
+        p = p0 + tl.arange(0, BLOCK_S)
+        tl.store(sorted_ptr + p, tl.zeros([BLOCK_S], tl.int64) + num_slots, mask=p < num_padded)
+    # NOTE: the sentinels above and the slots below may share addresses across threads.
+    tl.debug_barrier()
+    nxt = ends - padded
+    for s0 in range(0, num_slots, BLOCK_S):
+        s = s0 + tl.arange(0, BLOCK_S)
+        e = tl.load(ids_ptr + s, mask=s < num_slots, other=E_PAD)
+        hot = (e[:, None] == experts[None, :]).to(tl.int32)
+        place = tl.sum(hot * (tl.cumsum(hot, 0) - hot + nxt[None, :]), 1)
+        tl.store(sorted_ptr + place, s.to(tl.int64), mask=s < num_slots)
+        nxt += tl.sum(hot, 0)
+    for t0 in range(0, num_padded // BLOCK_M, BLOCK_S):
+        t = t0 + tl.arange(0, BLOCK_S)
+        # searchsorted(ends, tile start, right=True); padding experts end at the total
+        done = tl.sum((ends[None, :] <= (t * BLOCK_M)[:, None]).to(tl.int32), 1)
+        tl.store(tile_expert_ptr + t, tl.minimum(done, NUM_EXPERTS).to(tl.int64),
+                 mask=t < num_padded // BLOCK_M)
+    if COUNT:
+        tl.atomic_add(stats_ptr, tl.sum((counts > 0).to(tl.int64), 0))
+        tl.atomic_add(stats_ptr + 1, 1)
+
+
+def align_slots_kernel(ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M,
+                       stats: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """align_slots as one Triton launch (any device; the interpreter on CPU)."""
+    flat = ids.reshape(-1).contiguous()
+    s = flat.numel()
+    p = _padded_size(s, num_experts, block_m)
+    sorted_slots = torch.empty(p, dtype=torch.int64, device=flat.device)
+    tile_expert = torch.empty(p // block_m, dtype=torch.int64, device=flat.device)
+    e_pad = triton.next_power_of_2(num_experts)
+    # NOTE: a chunk's one-hot rows are BLOCK_S x E_PAD values in registers: ~8K keeps 384
+    # experts (512 padded) at 16 slots per chunk.
+    block_s = max(16, min(256, 8192 // e_pad))
+    _align_kernel[(1,)](flat, sorted_slots, tile_expert, stats if stats is not None else flat,
+                        s, p, NUM_EXPERTS=num_experts, E_PAD=e_pad, BLOCK_M=block_m,
+                        BLOCK_S=block_s, COUNT=stats is not None, num_warps=8)
     return sorted_slots, tile_expert
 
 
@@ -94,11 +173,11 @@ GroupedGemm = Callable[[torch.Tensor, int, Slots, bool, "torch.Tensor | None"], 
 
 
 def run_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, num_experts: int,
-                gemm: GroupedGemm) -> torch.Tensor:
+                gemm: GroupedGemm, stats: torch.Tensor | None = None) -> torch.Tensor:
     """The routed experts around two grouped GEMMs (bf16 here, quantized in quant_gemm.py):
-    x [T, H], weights / ids [T, k] -> [T, H]."""
+    x [T, H], weights / ids [T, k] -> [T, H]; `stats` as in align_slots."""
     t, top_k = ids.shape
-    slots = Slots(*align_slots(ids, num_experts), t * top_k, top_k)
+    slots = Slots(*align_slots(ids, num_experts, stats=stats), t * top_k, top_k)
     h = gemm(x.contiguous(), 0, slots, True, None)
     gate, up = h.chunk(2, dim=-1)
     act = (F.silu(gate.float()) * up.float()).to(x.dtype)
@@ -125,10 +204,11 @@ def _grouped(a: torch.Tensor, w: torch.Tensor, slots: Slots, per_token: bool,
 
 
 def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                  gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
+                  gate_up: torch.Tensor, down: torch.Tensor,
+                  stats: torch.Tensor | None = None) -> torch.Tensor:
     """experts_reference's result through the grouped GEMMs: x [T, H], weights / ids [T, k],
-    gate_up [E, 2I, H], down [E, H, I] -> [T, H]."""
+    gate_up [E, 2I, H], down [E, H, I] -> [T, H]; `stats` as in align_slots."""
     layers = (gate_up, down)
     return run_experts(x, weights, ids, gate_up.shape[0],
                        lambda a, layer, slots, per_token, scale:
-                       _grouped(a, layers[layer], slots, per_token, scale))
+                       _grouped(a, layers[layer], slots, per_token, scale), stats)

@@ -44,3 +44,11 @@ def experts_reference(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
         y = F.linear(F.silu(gate) * up, down[expert])
         out.index_add_(0, rows, (y * weights[rows, slot, None]).float())
     return out.to(x.dtype)
+
+
+def count_experts(ids: torch.Tensor, num_experts: int, stats: torch.Tensor) -> None:
+    """Adds (distinct experts in `ids`, 1) to `stats` (int64 [2]) on the device: no host sync,
+    a graph captures it. NOTE: the grouped-GEMM path counts inside its alignment kernel."""
+    hit = torch.zeros(num_experts, dtype=torch.bool, device=ids.device)
+    stats += torch.stack([hit.index_fill_(0, ids.reshape(-1), True).sum(),
+                          torch.ones((), dtype=torch.int64, device=ids.device)])

@@ -89,13 +89,15 @@ def quant_grouped(a: torch.Tensor, w: QuantWeight, slots: Slots, per_token: bool
 
 
 def fused_experts_quant(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                        gate_up: QuantWeight, down: QuantWeight) -> torch.Tensor:
+                        gate_up: QuantWeight, down: QuantWeight,
+                        stats: torch.Tensor | None = None) -> torch.Tensor:
     """experts_reference over the dequantized experts, as two quantized grouped GEMMs:
-    x [T, H], weights / ids [T, k], gate_up [E, 2I, H], down [E, H, I] -> [T, H]."""
+    x [T, H], weights / ids [T, k], gate_up [E, 2I, H], down [E, H, I] -> [T, H]; `stats` as
+    in fused_moe.align_slots."""
     layers = (gate_up, down)
     return run_experts(x, weights, ids, gate_up.data.shape[0],
                        lambda a, layer, slots, per_token, scale:
-                       quant_grouped(a, layers[layer], slots, per_token, scale))
+                       quant_grouped(a, layers[layer], slots, per_token, scale), stats)
 
 
 def quant_linear(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:

@@ -19,7 +19,7 @@ from blockspec.layers.attention import AttentionMetadata, PagedAttention
 from blockspec.layers.fused import rms_norm
 from blockspec.layers.fused_moe import fused_experts
 from blockspec.layers.linear import Linear
-from blockspec.layers.moe import experts_reference, select_experts
+from blockspec.layers.moe import count_experts, experts_reference, select_experts
 from blockspec.layers.norm import RMSNorm
 from blockspec.layers.rotary import RotaryEmbedding, yarn_mscale
 from blockspec.models.qwen3 import MLP, CausalLM, DecoderModel
@@ -118,11 +118,14 @@ class Experts(nn.Module):
                                                   moe.moe_intermediate_size))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                backend: str) -> torch.Tensor:
+                backend: str, stats: torch.Tensor) -> torch.Tensor:
         """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]): the grouped GEMMs ("triton") or
-        the torch reference. Quantized twins (models/quant_experts.py) take the same call."""
-        experts = fused_experts if backend == "triton" else experts_reference
-        return experts(x, weights, ids, self.gate_up_proj, self.down_proj)
+        the torch reference; (distinct experts selected, 1) added to `stats`. Quantized twins
+        (models/quant_experts.py) take the same call."""
+        if backend == "triton":
+            return fused_experts(x, weights, ids, self.gate_up_proj, self.down_proj, stats)
+        count_experts(ids, self.gate_up_proj.shape[0], stats)
+        return experts_reference(x, weights, ids, self.gate_up_proj, self.down_proj)
 
 
 class MoE(nn.Module):
@@ -147,10 +150,8 @@ class MoE(nn.Module):
         weights, ids = select_experts(logits, self.gate.e_score_correction_bias,
                                       moe.num_experts_per_tok, moe.n_group, moe.topk_group,
                                       moe.norm_topk_prob, moe.routed_scaling_factor)
-        hit = torch.zeros(moe.num_experts, dtype=torch.bool, device=ids.device)
-        self.expert_counts[0] += hit.index_fill_(0, ids.reshape(-1), True).sum()
-        self.expert_counts[1] += 1
-        out = self.experts(x, weights.to(x.dtype), ids, self.experts_backend)
+        out = self.experts(x, weights.to(x.dtype), ids, self.experts_backend,
+                           self.expert_counts)
         return out + self.shared_experts(x) if self.shared_experts is not None else out
 
 

@@ -16,7 +16,7 @@ from torch import nn
 
 from blockspec.config import ModelConfig
 from blockspec.errors import ConfigError
-from blockspec.layers.moe import experts_reference
+from blockspec.layers.moe import count_experts, experts_reference
 from blockspec.layers.quant_dequant import INT4_PER_WORD, DequantizedExperts, QuantWeight
 from blockspec.layers.quant_gemm import fused_experts_quant
 from blockspec.layers.quant_linear import int4_group, kernel_ok
@@ -31,10 +31,11 @@ class QuantExperts(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                backend: str) -> torch.Tensor:
+                backend: str, stats: torch.Tensor) -> torch.Tensor:
         gate_up, down = self.weights()
         if kernel_ok(x, backend):
-            return fused_experts_quant(x, weights, ids, gate_up, down)
+            return fused_experts_quant(x, weights, ids, gate_up, down, stats)
+        count_experts(ids, gate_up.data.shape[0], stats)
         return experts_reference(x, weights, ids, DequantizedExperts(gate_up, x.dtype),
                                  DequantizedExperts(down, x.dtype))
 
