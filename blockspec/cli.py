@@ -45,6 +45,10 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="cap on the prefill tokens of a step that also decodes, which delay "
                         "every running stream: lower ITL tails for fewer tokens/s (default 0: "
                         "no cap; auto: 12 per decoding sequence, at least 256)")
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="schedule and launch each plain decode step while the previous one runs "
+                        "(greedy batches without logprobs; default: on for a target without a "
+                        "drafter on CUDA with graphs)")
     g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,
@@ -122,7 +126,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
         attention_backend=args.attention_backend, linear_backend=args.linear_backend,
         revision=args.revision, draft_revision=args.draft_revision,
-        trust_remote_code=args.trust_remote_code,
+        trust_remote_code=args.trust_remote_code, async_scheduling=args.async_scheduling,
     )
 
 

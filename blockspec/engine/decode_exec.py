@@ -20,6 +20,7 @@ from blockspec.engine.decode_step import (
     StepOutputs,
 )
 from blockspec.engine.kv_cache import padded_block_tables
+from blockspec.engine.pipeline import PendingDecode
 from blockspec.engine.row_sampling import SampleRows, plain_greedy, row_logprobs, sample_rows
 from blockspec.engine.sequence import Sequence
 from blockspec.engine.step_result import Logprobs, StepResult
@@ -91,6 +92,19 @@ class DecodeExecutor:
         lp = row_logprobs(logits.float(), target.reshape(-1), row_seqs) if any(
             s.params.logprobs is not None for s in seqs) else [None] * (n * q)
         return self._emit(seqs, target, out.drafts, acc, lp, q, synthetic is not None)
+
+    def launch(self, seqs: list[Sequence], step: DecodeStep, graphs: GraphedDecodeStep | None,
+               prev: PendingDecode | None) -> PendingDecode:
+        """A plain, all-greedy decode step launched without a host sync (async scheduling): the
+        inputs of sequences whose newest token is still in flight come from `prev`'s picks on
+        the device."""
+        n, bufs = len(seqs), self.bufs
+        fill_buffers(bufs, seqs, self.trash_block)
+        if prev is not None:
+            # NOTE: queued before this step's replay overwrites the graph output it reads.
+            bufs.last_tokens[:n].copy_(prev.input_tokens(seqs))
+        out = run_step(step, graphs, bufs, n, self.trash_block)
+        return PendingDecode.start(seqs, out.target_tokens[:n].reshape(n))
 
     def _emit(self, seqs: list[Sequence], target: torch.Tensor, drafts: torch.Tensor | None,
               acc: torch.Tensor | None, lp: list[Logprobs], q: int,

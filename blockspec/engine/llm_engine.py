@@ -14,11 +14,13 @@ from blockspec.dflash.metrics import SpecStats
 from blockspec.dflash.proposer import DFlashProposer, load_drafter
 from blockspec.engine.admission import check_token_ids, resolve_max_tokens, tokenize
 from blockspec.engine.backends import set_backends
+from blockspec.engine.commit import commit_step
 from blockspec.engine.detokenizer import IncrementalDetokenizer, eos_token_ids, load_tokenizer
 from blockspec.engine.kv_cache import BlockManager
 from blockspec.engine.memory import decide_num_blocks, kv_bytes_per_block, outside_kv_bytes
 from blockspec.engine.model_runner import ModelRunner
 from blockspec.engine.output_processor import OUTPUT_KINDS, EngineRequest, OutputProcessor
+from blockspec.engine.pipeline import PendingDecode, pipelinable
 from blockspec.engine.scheduler import Scheduler, SchedulerOutput
 from blockspec.engine.sequence import Sequence
 from blockspec.engine.speculation import resolve_block_lens
@@ -91,6 +93,9 @@ class LLMEngine:
                                       config.kv_block_size, self.dtype, self.device)
         self.runner = ModelRunner(config, mc, self.model, self.block_manager, self.dtype,
                                   self.max_model_len, proposer, self.spec_block_lens)
+        self.async_scheduling = config.async_scheduling if config.async_scheduling is not None \
+            else proposer is None and self.device.type == "cuda" and not config.enforce_eager
+        self._pending: PendingDecode | None = None  # the decode step in flight (async)
         self.spec_stats = SpecStats()
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len,
                                        count_plain_steps=proposer is not None)
@@ -176,6 +181,47 @@ class LLMEngine:
         return self.runner.timings
 
     def step(self) -> list[RequestOutput]:
+        """One engine step. With async scheduling, a decode step that can run ahead is launched
+        and the previous one's outputs returned (engine/pipeline.py); any other step first
+        commits the step in flight."""
+        if not self.async_scheduling:
+            return self._step()
+        ahead = self.scheduler.schedule_ahead(self.max_model_len) \
+            if pipelinable(self.scheduler.running) else None
+        if ahead is not None:
+            return self._step_ahead(ahead)
+        return self._settle() + self._step()
+
+    def _step_ahead(self, seqs: list[Sequence]) -> list[RequestOutput]:
+        prev = self._pending
+        try:
+            self._pending = self.runner.launch_ahead(seqs, prev)
+            outputs = self._commit_pending(prev) if prev is not None else []
+        except Exception as e:
+            self._pending = None
+            raise StepError(e, self._fail(seqs)) from e
+        self.runner.timings.steps += 1
+        return outputs
+
+    def _settle(self) -> list[RequestOutput]:
+        """Commits the step in flight, if any."""
+        prev, self._pending = self._pending, None
+        if prev is None:
+            return []
+        try:
+            return self._commit_pending(prev)
+        except Exception as e:
+            raise StepError(e, self._fail(prev.seqs)) from e
+
+    def _commit_pending(self, pending: PendingDecode) -> list[RequestOutput]:
+        sched, res, waited = pending.settle()
+        self.runner.timings.device_wait += waited
+        t0 = time.perf_counter()
+        outputs = self._commit(sched, res)
+        self.runner.timings.postprocess += time.perf_counter() - t0
+        return outputs
+
+    def _step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         lookahead = self.runner.planner.next_budget_lookahead()
         sched = self.scheduler.schedule(
@@ -230,53 +276,7 @@ class LLMEngine:
         return Drain.of(left) if left else None
 
     def _commit(self, sched: SchedulerOutput, res: StepResult) -> list[RequestOutput]:
-        """Append each sequence's committed tokens, advance its computed tokens, finish it where
-        a stop or its limit was reached, and build this step's outputs."""
-        now = time.monotonic()
-        self.finish_seconds = 0.0
-        finishing: dict[int, tuple[str, str | int | None]] = {}
-        spec = self.runner.proposer is not None
-        if spec:
-            self.spec_stats.record_block_len(res.block_len)
-        for seq, toks, lps, drafted, acc, blen in zip(res.sampled_seqs, res.tokens, res.logprobs,
-                                                      res.drafted, res.accepted, res.block_lens):
-            req = self.requests[seq.request_id]
-            # NOTE: a request's plain-decode steps (blen 1: one token each) are not counted here,
-            # per sequence and step, but from its token counts when its outputs are built
-            # (SpecStats.settle_plain_steps): those of its speculative steps (blen >= 2) and of
-            # its prefills (blen 0, one token each) are counted here.
-            if spec and blen >= 2:
-                m = seq.metrics.spec
-                m.block_len_steps[blen] += 1
-                m.record(drafted, acc)
-                self.spec_stats.record(drafted, acc)
-                before = len(seq.output_token_ids)
-                reason = self.outputs.append(req, toks, lps, now)
-                m.num_spec_tokens += len(seq.output_token_ids) - before
-            else:
-                if spec and blen == 0:
-                    seq.metrics.spec.num_prefill_tokens += 1
-                reason = self.outputs.append(req, toks, lps, now)
-            if reason is not None:
-                finishing[id(seq)] = reason
-        bm = self.block_manager
-        for seq, adv in zip(sched.seqs, res.advance):
-            # NOTE: K/V exist for every token but the newest (the target's own pick, or a
-            # truncation point when a stop ends the request mid-block).
-            seq.num_computed_tokens = min(seq.num_computed_tokens + adv, len(seq.prompt_token_ids)
-                                          + len(seq.output_token_ids) - 1)
-            if bm.enable_prefix_caching:
-                bm.register_full_blocks(seq)
-        outputs = []
-        if not finishing and not self.outputs.num_reporting:
-            return outputs  # NOTE: the common step of a batch run: nothing to report
-        for seq in res.sampled_seqs:
-            req = self.requests[seq.request_id]
-            if id(seq) in finishing:
-                t = time.perf_counter()
-                self.scheduler.finish(seq, *finishing[id(seq)])
-                outputs.append(self.outputs.output(req))
-                self.finish_seconds += time.perf_counter() - t
-            elif seq.is_finished or req.output_kind != "final_only":
-                outputs.append(self.outputs.output(req))
+        outputs, self.finish_seconds = commit_step(
+            sched, res, self.outputs, self.scheduler,
+            self.spec_stats if self.runner.proposer is not None else None)
         return outputs

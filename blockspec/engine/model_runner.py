@@ -40,6 +40,7 @@ from blockspec.engine.flat_exec import build_flat
 from blockspec.engine.kv_cache import BlockManager
 from blockspec.engine.lazy_context import LazyDraftContext
 from blockspec.engine.mixed_step import MixedStep
+from blockspec.engine.pipeline import PendingDecode
 from blockspec.engine.sequence import Sequence
 from blockspec.engine.speculation import SpecController
 from blockspec.engine.step_plan import Plan, StepPlanner
@@ -268,6 +269,16 @@ class ModelRunner:
         if self.timed_step is not None:
             self.controller.observe_step_time(*self.timed_step, seconds)
             self.timed_step = None
+
+    @torch.inference_mode()
+    def launch_ahead(self, seqs: list[Sequence], prev: PendingDecode | None) -> PendingDecode:
+        """A plain decode step of `seqs` launched without waiting for `prev`'s tokens (async
+        scheduling, engine/pipeline.py; the target alone)."""
+        t0 = time.perf_counter()
+        self.path_steps["decode"] += 1
+        pending = self.decoder.launch(seqs, self.steps[1], self.graphs_by_len.get(1), prev)
+        self.timings.runner_host += time.perf_counter() - t0
+        return pending
 
     def _execute_decode(self, seqs: list[Sequence], q: int) -> StepResult:
         """All sequences decoding with a block of `q`: the fixed-shape (graphable) step."""

@@ -96,6 +96,31 @@ class Scheduler:
             self._admit_waiting(out, budget, prefill)
         return out
 
+    def schedule_ahead(self, max_model_len: int) -> list[Sequence] | None:
+        """The next plain-decode step of every running sequence, scheduled before the tokens of
+        the step in flight are known (async scheduling, engine/pipeline.py): each sequence's
+        input is its newest token, committed or in flight. None where that step cannot run
+        ahead: a request waits, a sequence prefills or has a step in flight already, the step's
+        token would pass its max_tokens or the context, or the cache lacks a block (the normal
+        step then decides what to do: admit, preempt)."""
+        if self.waiting:
+            return None
+        bm = self.block_manager
+        needy = []
+        for s in self.running:
+            ahead = s.num_in_flight
+            if ahead > 1 or s.num_computed_tokens != s.num_tokens + ahead - 1 \
+                    or len(s.output_token_ids) + ahead >= s.max_tokens \
+                    or s.num_tokens + ahead >= max_model_len:
+                return None
+            if bm.num_blocks_needed(s, 1):
+                needy.append(s)
+        if len(needy) > len(bm.free_blocks):
+            return None
+        for s in needy:
+            bm.allocate(s, 1)
+        return list(self.running)
+
     def _schedule_running(self, out: SchedulerOutput, budget: int, prefill: int,
                           budget_lookahead: int) -> tuple[int, int]:
         """Running sequences, oldest first, into `out` (preempting the newest when the cache is

@@ -53,8 +53,12 @@ class Sequence:
     eos_token_ids: tuple[int, ...] = ()
     status: SequenceStatus = SequenceStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
-    # NOTE: tokens [0, num_computed_tokens) have their K/V in the cache; never past committed.
+    # NOTE: tokens [0, num_computed_tokens) have their K/V in the cache (or being written by a
+    # launched step); never past the committed tokens plus those in flight.
     num_computed_tokens: int = 0
+    # Tokens a decode step launched ahead (engine/pipeline.py) has picked but the host has not
+    # committed yet: 0 outside async scheduling.
+    num_in_flight: int = 0
     # NOTE: positions [0, num_draft_ctx_tokens) hold valid drafter context K/V (a contiguous
     # prefix; rows still staged do not count). Kept by the runner with lazy_draft_context only;
     # 0 after preemption, and 0 on admission even with prefix-cache hits (a revived block may

@@ -1,0 +1,116 @@
+"""Async scheduling (engine/pipeline.py): plain decode steps launched ahead of the previous
+step's tokens give the synchronous engine's outputs, drop the token in flight past a stop, and
+leave nothing behind; what cannot run ahead runs as before."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import assert_no_leaks, cpu_llm, random_prompts
+
+from blockspec import SamplingParams
+from blockspec.config import ConfigError
+from blockspec.engine.model_runner import ModelRunner
+
+
+@pytest.fixture
+def launches(monkeypatch) -> list[int]:
+    """How many steps ran ahead."""
+    count = [0]
+    launch = ModelRunner.launch_ahead
+
+    def counted(self, *args):
+        count[0] += 1
+        return launch(self, *args)
+
+    monkeypatch.setattr(ModelRunner, "launch_ahead", counted)
+    return count
+
+
+def run(model, prompts, params, **kw) -> list[tuple]:
+    llm = cpu_llm(model, **kw)
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert_no_leaks(llm)
+    return [(o.token_ids, o.finish_reason, o.stop_reason, o.text) for o in outs]
+
+
+def stopping_params(model, prompts) -> list[SamplingParams]:
+    """Per prompt: a length limit, a stop token or a stop string that ends it mid-stream."""
+    ref = cpu_llm(model).generate(prompts, SamplingParams(temperature=0, max_tokens=12,
+                                                          ignore_eos=True), use_tqdm=False)
+    params = []
+    for i, r in enumerate(ref):
+        kw = dict(temperature=0, max_tokens=7 + 2 * i, ignore_eos=True)
+        if i % 3 == 1:
+            kw["stop_token_ids"] = [r.token_ids[4]]
+        elif i % 3 == 2 and len(r.text) > 6:
+            kw["stop"] = [r.text[3:6]]
+        params.append(SamplingParams(**kw))
+    return params
+
+
+def test_greedy_outputs_equal_the_synchronous_engine(qwen3_path, launches):
+    prompts = random_prompts([5, 17, 3, 30, 11, 8])
+    params = stopping_params(qwen3_path, prompts)
+    sync = run(qwen3_path, prompts, params, async_scheduling=False)
+    assert launches[0] == 0
+    assert run(qwen3_path, prompts, params, async_scheduling=True) == sync
+    assert launches[0] > 10
+    assert any(r[1] == "stop" for r in sync) and any(r[1] == "length" for r in sync)
+
+
+def test_arrivals_preemption_and_prefix_hits(qwen3_path, launches):
+    """More requests than max_num_seqs (arrivals end the pipeline, it restarts), a cache small
+    enough to preempt, and a second run over the first's cached prefixes."""
+    prompts = random_prompts([40, 9, 33, 21, 14, 27, 6], seed=3)
+    params = [SamplingParams(temperature=0, max_tokens=10 + i, ignore_eos=True)
+              for i in range(7)]
+    kw = dict(max_num_seqs=3, num_kv_blocks=6)
+    sync = run(qwen3_path, prompts, params, async_scheduling=False, **kw)
+    llm = cpu_llm(qwen3_path, async_scheduling=True, **kw)
+    for _ in range(2):
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.token_ids for o in outs] == [r[0] for r in sync]
+        assert_no_leaks(llm)
+    assert launches[0] > 0 and llm.engine.scheduler.num_preemptions > 0
+
+
+def test_abort_while_a_step_is_in_flight(qwen3_path, launches):
+    prompts = random_prompts([12, 7, 20], seed=5)
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    want = run(qwen3_path, prompts, params, async_scheduling=False)
+    llm = cpu_llm(qwen3_path, async_scheduling=True)
+    eng = llm.engine
+    ids = [eng.add_request(p, params) for p in prompts]
+    done = {}
+    for _ in range(6):
+        done.update({o.request_id: o for o in eng.step() if o.finished})
+    assert eng._pending is not None and launches[0] > 0
+    assert eng.abort(ids[1]).finish_reason == "abort"
+    while eng.has_unfinished():
+        done.update({o.request_id: o for o in eng.step() if o.finished})
+    assert [done[i].token_ids for i in (ids[0], ids[2])] == [want[0][0], want[2][0]]
+    assert ids[1] not in done and eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+
+
+def test_sampled_or_logprob_batches_run_synchronously(qwen3_path, launches):
+    prompts = random_prompts([6, 9], seed=7)
+    params = [SamplingParams(temperature=0.8, seed=11, max_tokens=8),
+              SamplingParams(temperature=0, max_tokens=8, logprobs=2)]
+    sync = run(qwen3_path, prompts, params, async_scheduling=False)
+    assert run(qwen3_path, prompts, params, async_scheduling=True) == sync
+    assert launches[0] == 0
+
+
+def test_config(qwen3_path, tmp_path):
+    assert cpu_llm(qwen3_path).engine.async_scheduling is False  # CPU: off unless asked
+    with pytest.raises(ConfigError, match="without a draft model"):
+        cpu_llm(qwen3_path, draft=tmp_path, async_scheduling=True)
+
+
+def test_cli_flag():
+    from blockspec.cli import build_parser, engine_kwargs
+
+    parse = build_parser().parse_args
+    assert engine_kwargs(parse(["serve"]))["async_scheduling"] is None
+    assert engine_kwargs(parse(["serve", "--no-async-scheduling"]))["async_scheduling"] is False
+    assert engine_kwargs(parse(["serve", "--async-scheduling"]))["async_scheduling"] is True
