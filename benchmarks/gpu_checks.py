@@ -156,9 +156,7 @@ def check_engine(tmp: Path, report: dict) -> None:
     runs = {}
     # NOTE: max_num_seqs 4: requests arrive as others finish, so steps mix prefills with
     # decodes (one flat-step graph replay, or one eager forward).
-    # NOTE: "graphs" runs plain decode with async scheduling (the CUDA default), "graphs_sync"
-    # without.
-    for name, extra in (("graphs", {}), ("graphs_sync", {"async_scheduling": False}),
+    for name, extra in (("graphs", {}), ("graphs_async", {"async_scheduling": True}),
                         ("eager", {"enforce_eager": True}),
                         ("torch_backend_eager", {"enforce_eager": True,
                                                  "attention_backend": "torch"}),

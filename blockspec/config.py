@@ -44,8 +44,9 @@ class EngineConfig:
     block_size: int | None = None  # speculative block (verified tokens); None: the drafter's
     enforce_eager: bool = False  # CUDA: no graphs
     # Plain decode steps scheduled and launched while the previous one runs (engine/pipeline.py;
-    # vLLM's --async-scheduling). None: on for a target without a drafter on CUDA with graphs.
-    async_scheduling: bool | None = None
+    # vLLM's --async-scheduling). NOTE: off by default until measured on a GPU: it speeds up the
+    # target alone, the baseline every speculation ratio is judged against.
+    async_scheduling: bool = False
     # Speculation policy (with a drafter): "adaptive" picks plain decode or one of `block_sizes`
     # each step from measured step costs and live acceptance; "fixed" always runs the max block.
     # Without a drafter the policy and the profile are ignored, and `block_sizes` is refused.

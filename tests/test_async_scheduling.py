@@ -102,7 +102,7 @@ def test_sampled_or_logprob_batches_run_synchronously(qwen3_path, launches):
 
 
 def test_config(qwen3_path, tmp_path):
-    assert cpu_llm(qwen3_path).engine.async_scheduling is False  # CPU: off unless asked
+    assert cpu_llm(qwen3_path).engine.async_scheduling is False  # off unless asked
     with pytest.raises(ConfigError, match="without a draft model"):
         cpu_llm(qwen3_path, draft=tmp_path, async_scheduling=True)
 
@@ -111,6 +111,5 @@ def test_cli_flag():
     from blockspec.cli import build_parser, engine_kwargs
 
     parse = build_parser().parse_args
-    assert engine_kwargs(parse(["serve"]))["async_scheduling"] is None
-    assert engine_kwargs(parse(["serve", "--no-async-scheduling"]))["async_scheduling"] is False
+    assert engine_kwargs(parse(["serve"]))["async_scheduling"] is False
     assert engine_kwargs(parse(["serve", "--async-scheduling"]))["async_scheduling"] is True

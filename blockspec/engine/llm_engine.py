@@ -93,8 +93,7 @@ class LLMEngine:
                                       config.kv_block_size, self.dtype, self.device)
         self.runner = ModelRunner(config, mc, self.model, self.block_manager, self.dtype,
                                   self.max_model_len, proposer, self.spec_block_lens)
-        self.async_scheduling = config.async_scheduling if config.async_scheduling is not None \
-            else proposer is None and self.device.type == "cuda" and not config.enforce_eager
+        self.async_scheduling = config.async_scheduling
         self._pending: PendingDecode | None = None  # the decode step in flight (async)
         self.spec_stats = SpecStats()
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len,
