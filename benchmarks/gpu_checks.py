@@ -277,6 +277,16 @@ def check_fused_moe(report: dict) -> None:
         got, want = align_slots_kernel(ids, e), align_slots_reference(ids, e)
         same[t] = bool(torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]))
     report["moe_align_kernel_equals_torch"] = same
+    from blockspec.layers.moe import select_experts_reference
+    from blockspec.layers.moe_router import route
+
+    for name, (experts, top_k, groups) in {"kimi": (384, 8, (1, 1)), "moonlight": (64, 6, (1, 1)),
+                                           "deepseek_v3": (256, 8, (8, 4))}.items():
+        logits = torch.randn(64, experts, device="cuda", generator=g)
+        bias = torch.randn(experts, device="cuda", generator=g) * 0.1
+        w, ids = route(logits, bias, top_k, *groups, True, 2.5)
+        w0, ids0 = select_experts_reference(logits, bias, top_k, *groups, True, 2.5)
+        same[f"router_{name}"] = bool(torch.equal(ids, ids0)) and rel_err(w, w0) < 1e-5
     print(f"MoE alignment kernel == torch sort: {same}")
     assert all(same.values())
     print(f"fused MoE: {errs}")

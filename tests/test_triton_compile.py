@@ -108,6 +108,14 @@ def main() -> int:
             ids_ptr="*i64", sorted_ptr="*i64", tile_expert_ptr="*i64", stats_ptr="*i64"),
             num_warps=8)
         assert "cubin" in kernel.asm and kernel.metadata.shared <= SHARED_LIMIT
+    import blockspec.layers.moe_router as router
+
+    for e, k, groups in ((64, 6, (1, 1)), (384, 8, (1, 1)), (256, 8, (8, 4))):
+        consts = dict(E=e, E_PAD=triton.next_power_of_2(e), TOP_K=k, K_PAD=8,
+                      N_GROUP=groups[0], TOPK_GROUP=groups[1], HAS_BIAS=True, NORM=True)
+        assert "cubin" in compile_sm90(router._route_kernel, consts, dict(
+            logits_ptr="*fp32", bias_ptr="*fp32", weights_ptr="*fp32", ids_ptr="*i64",
+            scaling="fp32"))
     import blockspec.layers.quant_gemm as qg
 
     for fmt, w, s, group in (("int4", "*i32", "*bf16", (1, 32)), ("fp8", "*fp8e4nv", "*fp32",

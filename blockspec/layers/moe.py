@@ -8,9 +8,10 @@ import torch
 import torch.nn.functional as F
 
 
-def select_experts(router_logits: torch.Tensor, correction_bias: torch.Tensor | None,
-                   top_k: int, n_group: int, topk_group: int, norm_topk_prob: bool,
-                   routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+def select_experts_reference(router_logits: torch.Tensor,
+                             correction_bias: torch.Tensor | None,
+                             top_k: int, n_group: int, topk_group: int, norm_topk_prob: bool,
+                             routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits [T, E] -> (weights [T, top_k] fp32, expert ids [T, top_k] int64).
 
     Experts are picked by sigmoid score + correction bias, among the `topk_group` groups (of
@@ -31,6 +32,21 @@ def select_experts(router_logits: torch.Tensor, correction_bias: torch.Tensor | 
     if norm_topk_prob:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return weights * routed_scaling_factor, ids
+
+
+def select_experts(router_logits: torch.Tensor, correction_bias: torch.Tensor | None,
+                   top_k: int, n_group: int, topk_group: int, norm_topk_prob: bool,
+                   routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """select_experts_reference's picks; on a GPU one Triton program per token
+    (layers/moe_router.py) where its shapes allow, in place of ~10 small torch kernels."""
+    args = (router_logits, correction_bias, top_k, n_group, topk_group, norm_topk_prob,
+            routed_scaling_factor)
+    if router_logits.is_cuda:
+        from blockspec.layers.moe_router import routable, route
+
+        if routable(router_logits.shape[1], top_k, n_group):
+            return route(*args)
+    return select_experts_reference(*args)
 
 
 def experts_reference(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
