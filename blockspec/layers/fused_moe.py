@@ -17,10 +17,10 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from blockspec.layers.fused import silu_and_mul
 from blockspec.layers.moe import count_experts
 
 BLOCK_M = 16  # slots per tile: a decode step's few tokens per expert waste little of it
@@ -179,10 +179,10 @@ def run_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, num_e
     t, top_k = ids.shape
     slots = Slots(*align_slots(ids, num_experts, stats=stats), t * top_k, top_k)
     h = gemm(x.contiguous(), 0, slots, True, None)
-    gate, up = h.chunk(2, dim=-1)
-    act = (F.silu(gate.float()) * up.float()).to(x.dtype)
-    y = gemm(act, 1, slots, False, weights.reshape(-1).float().contiguous())
-    return y.view(t, top_k, -1).float().sum(dim=1).to(x.dtype)
+    # NOTE: rounded like experts_reference's (and HF's) eager silu(gate) * up; one kernel on a
+    # GPU. The sum over a token's picks accumulates in fp32 and rounds once.
+    y = gemm(silu_and_mul(h), 1, slots, False, weights.reshape(-1).float().contiguous())
+    return y.view(t, top_k, -1).sum(dim=1)
 
 
 def _grouped(a: torch.Tensor, w: torch.Tensor, slots: Slots, per_token: bool,
