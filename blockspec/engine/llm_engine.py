@@ -246,9 +246,8 @@ class LLMEngine:
         timings.postprocess += t3 - t2
         # NOTE: without the finishing requests' work (freeing, final outputs): it is paid per
         # request whatever the block length. A closed batch decoding plainly finishes all its
-        # requests in one step, and that one sample (clipped at a modelled step) lifted plain
-        # decode's term for the runs after it (H200 run 13, a=0.6, C=128: terms of 2.4-3.7 ms
-        # at the runs' ends against ~1.8 ms over their decode phases).
+        # requests in one step, and that one sample (clipped at a modelled step) would lift
+        # plain decode's term for the runs after it.
         self.runner.observe_step_time(t3 - t0 - self.finish_seconds)
         return outputs
 

@@ -35,8 +35,8 @@ class StepOverhead:
     fewer than its bucket and may pay another overhead, but an error there corrects itself where
     it matters: a term read low makes its candidate chosen, and so observed at full load (H200,
     a=0.86, bucket 256: plain decode's term read 2.7 ms after a tail, 4.2 ms at full load), while
-    a term read high (scaled by the sequences a tail ran, tried in run 12: 5.9 ms at bucket 128
-    against 2.2-3.5 at full load) keeps its candidate unchosen until it goes stale.
+    a term read high (as scaling by the sequences a tail ran makes it) keeps its candidate
+    unchosen until it goes stale.
     NOTE: an observation is clipped to [0, modelled]: the profile stays a lower bound, and one
     outlier step (a GC pause) moves the estimate by at most one modelled step over the samples
     averaged (the first 1 / alpha are averaged equally, then `alpha` per observation).

@@ -33,15 +33,14 @@ __all__ = ["PROFILE_VERSION", "AcceptanceTracker", "SpeculationPolicy", "StepCos
 # for plain decode could change the choice.
 EXPLORE_BELOW = 1.5
 # ... and, in a draining batch, only while its last request has this many tokens left: near the
-# end a term measured by plain steps would serve few steps more (H200 run 12, a=0.6, C=64: 6 and
-# 16 plain steps in its two runs, mostly sampling the small buckets its tail drained through;
-# 0.98x fixed 4).
+# end a term measured by plain steps would serve few steps more, and those steps mostly sample
+# the small buckets the tail drains through (measured: docs/speculation.md).
 EXPLORE_MIN_LEFT = 128
 # After plain decode wins a step on its merits, the next RECHECK_PLAIN - 1 choices at the same
 # batch size and acceptance evidence stay plain without re-pricing: in a plain streak the inputs
 # drift slowly (the tracker's decay, one token less per request), and pricing walks the batch
-# (drain, catch-up) on the host of the cheapest step there is (H200 run 13, a=0.6, C=128: the
-# adaptive engine's detached plain steps took 0.4-0.7 ms longer than plain decoding's).
+# (drain, catch-up) on the host of the cheapest step there is, which then runs slower than a
+# plain decoding engine's (docs/speculation.md).
 RECHECK_PLAIN = 8
 
 
