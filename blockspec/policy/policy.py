@@ -34,13 +34,13 @@ __all__ = ["PROFILE_VERSION", "AcceptanceTracker", "SpeculationPolicy", "StepCos
 EXPLORE_BELOW = 1.5
 # ... and, in a draining batch, only while its last request has this many tokens left: near the
 # end a term measured by plain steps would serve few steps more, and those steps mostly sample
-# the small buckets the tail drains through (measured: docs/speculation.md).
+# the small buckets the tail drains through (measured: docs/benchmarks.md, the policy sweeps).
 EXPLORE_MIN_LEFT = 128
 # After plain decode wins a step on its merits, the next RECHECK_PLAIN - 1 choices at the same
 # batch size and acceptance evidence stay plain without re-pricing: in a plain streak the inputs
 # drift slowly (the tracker's decay, one token less per request), and pricing walks the batch
 # (drain, catch-up) on the host of the cheapest step there is, which then runs slower than a
-# plain decoding engine's (docs/speculation.md).
+# plain decoding engine's (docs/benchmarks.md, the policy sweeps).
 RECHECK_PLAIN = 8
 
 
