@@ -143,6 +143,27 @@ def check_fused(report: dict) -> None:
     assert all(e < 1e-2 for e in errs.values())
 
 
+def compare_with_hf(target: Path, prompts: list, params: list, runs: dict, report: dict,
+                    key: str, label: str, first_mismatch: bool = False) -> None:
+    """Each run's greedy tokens == HF `generate` on the same folder (fp32, on the GPU)."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).cuda().eval()
+    ref = []
+    for p, sp in zip(prompts, params):
+        y = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=sp.max_tokens,
+                        do_sample=False, eos_token_id=None, pad_token_id=0)
+        ref.append(y[0, len(p):].tolist())
+    for name, toks in runs.items():
+        report[f"{key}_{name}_equals_hf"] = toks == ref
+        if first_mismatch:
+            report[f"{key}_{name}_first_mismatch"] = [
+                next((j for j, (a, b) in enumerate(zip(t, r)) if a != b), None)
+                for t, r in zip(toks, ref)]
+        print(f"{label} fp32 {name} == HF generate: {toks == ref}")
+    assert all(toks == ref for toks in runs.values())
+
+
 def check_engine(tmp: Path, report: dict) -> None:
     target = build_tiny_model(tmp / "qwen3", arch="qwen3")
     drafter = build_random_drafter(tmp / "drafter", target, num_layers=2, block_size=8)
@@ -179,25 +200,12 @@ def check_engine(tmp: Path, report: dict) -> None:
         del llm
     assert report["engine_dflash_graphs_c4_steps_by_path"].get("flat", 0) > 0
     assert report["engine_dflash_fixed_graphs_c4_steps_by_path"].get("flat", 0) > 0
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).cuda().eval()
-    ref = []
-    for p, sp in zip(prompts, params):
-        y = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=sp.max_tokens,
-                        do_sample=False, eos_token_id=None, pad_token_id=0)
-        ref.append(y[0, len(p):].tolist())
-    for name, toks in runs.items():
-        report[f"engine_{name}_equals_hf"] = toks == ref
-        print(f"tiny qwen3 fp32 {name} == HF generate: {toks == ref}")
-    assert all(toks == ref for toks in runs.values())
+    compare_with_hf(target, prompts, params, runs, report, "engine", "tiny qwen3")
 
 
 def check_engine_deepseek(tmp: Path, report: dict) -> None:
     """A tiny DeepSeek-V3 target (MLA + MoE) through the engine on the GPU, fp32, alone and with
     a DFlash drafter, == HF generate on the same weights."""
-    from transformers import AutoModelForCausalLM
-
     from blockspec.tiny import build_tiny_deepseek_v3
 
     target = build_tiny_deepseek_v3(tmp / "dsv3", q_lora_rank=24, n_group=4, topk_group=2)
@@ -219,19 +227,8 @@ def check_engine_deepseek(tmp: Path, report: dict) -> None:
         runs[name] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
         report[f"deepseek_{name}_steps_by_path"] = dict(llm.engine.runner.path_steps)
         del llm
-    hf = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32).cuda().eval()
-    ref = []
-    for p, sp in zip(prompts, params):
-        y = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=sp.max_tokens,
-                        do_sample=False, eos_token_id=None, pad_token_id=0)
-        ref.append(y[0, len(p):].tolist())
-    for name, toks in runs.items():
-        report[f"deepseek_{name}_equals_hf"] = toks == ref
-        report[f"deepseek_{name}_first_mismatch"] = [
-            next((j for j, (a, b) in enumerate(zip(t, r)) if a != b), None)
-            for t, r in zip(toks, ref)]
-        print(f"tiny deepseek_v3 fp32 {name} == HF generate: {toks == ref}")
-    assert all(toks == ref for toks in runs.values())
+    compare_with_hf(target, prompts, params, runs, report, "deepseek", "tiny deepseek_v3",
+                    first_mismatch=True)
 
 
 def check_fused_moe(report: dict) -> None:

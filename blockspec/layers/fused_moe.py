@@ -127,21 +127,29 @@ def align_slots_kernel(ids: torch.Tensor, num_experts: int, block_m: int = BLOCK
 
 
 @triton.jit
+def tile_slots(sorted_ptr, num_slots, n, TOP_K: tl.constexpr, A_PER_TOKEN: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A grouped-GEMM program's (slots, valid slots, A rows, output columns, valid columns):
+    program (tile of one expert's slots, block of BLOCK_N columns); A's rows are tokens
+    (A_PER_TOKEN: a slot's token) or slots."""
+    slots = tl.load(sorted_ptr + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M))
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = slots // TOP_K if A_PER_TOKEN else slots
+    return slots, slots < num_slots, rows, cols, cols < n
+
+
+@triton.jit
 def _grouped_gemm(a_ptr, w_ptr, c_ptr, scale_ptr, sorted_ptr, tile_expert_ptr, num_slots, n, k,
                   stride_am, stride_we, stride_wn, stride_cm, TOP_K: tl.constexpr,
                   A_PER_TOKEN: tl.constexpr, SCALE: tl.constexpr, NUM_EXPERTS: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   DOT_PRECISION: tl.constexpr):
     """C[slot, :] = A[row of slot] @ W[expert].T (times scale[slot]) for one tile of slots."""
-    tile, pid_n = tl.program_id(0), tl.program_id(1)
-    expert = tl.load(tile_expert_ptr + tile)
+    expert = tl.load(tile_expert_ptr + tl.program_id(0))
     if expert >= NUM_EXPERTS:
         return
-    slots = tl.load(sorted_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))
-    valid = slots < num_slots
-    rows = slots // TOP_K if A_PER_TOKEN else slots
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < n
+    slots, valid, rows, cols, col_ok = tile_slots(sorted_ptr, num_slots, n, TOP_K, A_PER_TOKEN,
+                                                  BLOCK_M, BLOCK_N)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     w_base = w_ptr + expert.to(tl.int64) * stride_we
     for k0 in range(0, k, BLOCK_K):

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from blockspec.layers.fused_moe import BLOCK_M, Slots, run_experts
+from blockspec.layers.fused_moe import BLOCK_M, Slots, run_experts, tile_slots
 from blockspec.layers.quant_dequant import QuantWeight
 
 FORMATS = {"int4": 0, "fp8": 1}
@@ -33,15 +33,11 @@ def _quant_grouped_gemm(a_ptr, w_ptr, s_ptr, c_ptr, scale_ptr, sorted_ptr, tile_
                         SCALE: tl.constexpr, NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr,
                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """C[slot, :] = A[row of slot] @ dequant(W[expert]).T (times scale[slot]), one tile."""
-    tile, pid_n = tl.program_id(0), tl.program_id(1)
-    expert = tl.load(tile_expert_ptr + tile)
+    expert = tl.load(tile_expert_ptr + tl.program_id(0))
     if expert >= NUM_EXPERTS:
         return
-    slots = tl.load(sorted_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))
-    valid = slots < num_slots
-    rows = slots // TOP_K if A_PER_TOKEN else slots
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < n
+    slots, valid, rows, cols, col_ok = tile_slots(sorted_ptr, num_slots, n, TOP_K, A_PER_TOKEN,
+                                                  BLOCK_M, BLOCK_N)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     w_base = w_ptr + expert.to(tl.int64) * stride_we + cols[None, :].to(tl.int64) * stride_wn
     s_base = s_ptr + expert.to(tl.int64) * stride_se + (cols // GROUP_N)[None, :] * stride_sn

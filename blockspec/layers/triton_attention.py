@@ -30,7 +30,7 @@ from blockspec.layers.triton_attention_tiles import (
     _merge_kernel,
     _program_tile,
     _query_rows,
-    _split_range,
+    _split_keys,
 )
 from blockspec.layers.triton_kv_store import store_kv
 
@@ -67,14 +67,12 @@ def _attn_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr,
                 mask=row_ok[:, None] & d_ok[None, :], other=0.0).to(DOT_DTYPE)
     q_pos = seq_len - q_len + tok  # absolute position of each row's token
 
-    kv_end, chunk = _split_range(seq_len, q_len, q_tile, BLOCK_Q, BLOCK_N, CAUSAL, NUM_SPLITS,
-                                 MIN_CHUNK)
-    lo = split * chunk
+    lo, hi, kv_end = _split_keys(seq_len, q_len, q_tile, split, BLOCK_Q, BLOCK_N, CAUSAL,
+                                 NUM_SPLITS, MIN_CHUNK)
     # NOTE: a split past the keys writes nothing; the merge reads only the splits that got keys
     # (split 0 always runs, so a sequence without keys still writes its zero rows).
     if split > 0 and lo >= kv_end:
         return
-    hi = tl.minimum(lo + chunk, kv_end)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)

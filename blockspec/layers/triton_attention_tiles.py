@@ -53,6 +53,17 @@ def _split_range(seq_len, q_len, q_tile, BLOCK_Q: tl.constexpr, BLOCK_N: tl.cons
     return kv_end, tl.maximum(chunk, MIN_CHUNK)
 
 
+@triton.jit
+def _split_keys(seq_len, q_len, q_tile, split, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+                CAUSAL: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr):
+    """(first key, end of keys, keys the tile attends to) of KV split `split`: the
+    `_split_range` chunk it owns; lo >= kv_end for a split past the keys."""
+    kv_end, chunk = _split_range(seq_len, q_len, q_tile, BLOCK_Q, BLOCK_N, CAUSAL, NUM_SPLITS,
+                                 MIN_CHUNK)
+    lo = split * chunk
+    return lo, tl.minimum(lo + chunk, kv_end), kv_end
+
+
 # NOTE: the block table's row stride is the batch's widest table in eager steps, so it changes
 # step to step; specialising on its value (== 1, divisible by 16) would compile new variants
 # mid-serving (~1 s each on an H200) for a scalar gather that gains nothing from them.

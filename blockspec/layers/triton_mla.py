@@ -35,7 +35,7 @@ from blockspec.layers.triton_attention_tiles import (
     _merge_kernel,
     _program_tile,
     _query_rows,
-    _split_range,
+    _split_keys,
 )
 from blockspec.layers.triton_kv_store import store_kv
 
@@ -91,13 +91,11 @@ def _mla_kernel(q_ptr, cache_ptr, out_ptr, part_ptr, lse_ptr,
                  mask=rope_ok)
     q_pos = seq_len - q_len + tok  # absolute position of each row's token
 
-    kv_end, chunk = _split_range(seq_len, q_len, q_tile, BLOCK_Q, BLOCK_N, CAUSAL, NUM_SPLITS,
-                                 MIN_CHUNK)
-    lo = split * chunk
+    lo, hi, kv_end = _split_keys(seq_len, q_len, q_tile, split, BLOCK_Q, BLOCK_N, CAUSAL,
+                                 NUM_SPLITS, MIN_CHUNK)
     # NOTE: a split past the keys writes nothing; the merge reads only the splits that got keys.
     if split > 0 and lo >= kv_end:
         return
-    hi = tl.minimum(lo + chunk, kv_end)
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
