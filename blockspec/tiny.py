@@ -112,7 +112,8 @@ def default_demo_model() -> Path:
 def build_tiny_deepseek_v3(out: str | os.PathLike, q_lora_rank: int | None = None,
                            n_group: int = 1, topk_group: int = 1,
                            first_k_dense_replace: int = 1, rope_scaling: dict | None = None,
-                           num_layers: int = 3, seed: int = 0, vocab_size: int = 512) -> Path:
+                           num_layers: int = 3, seed: int = 0, vocab_size: int = 512,
+                           rms_norm_eps: float = 1e-6) -> Path:
     """Writes a random DeepseekV3ForCausalLM folder (MLA + MoE: 8 routed experts, top 2, one
     shared) with transformers' own class, which saves the experts one by one as published
     DeepSeek-V3 / Kimi-K2 checkpoints do. Router correction biases are random, so selection and
@@ -129,7 +130,7 @@ def build_tiny_deepseek_v3(out: str | os.PathLike, q_lora_rank: int | None = Non
         q_lora_rank=q_lora_rank, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16,
         n_group=n_group, topk_group=topk_group, num_experts_per_tok=2,
         first_k_dense_replace=first_k_dense_replace, norm_topk_prob=True,
-        max_position_embeddings=1024, rms_norm_eps=1e-6, initializer_range=0.25,
+        max_position_embeddings=1024, rms_norm_eps=rms_norm_eps, initializer_range=0.25,
         eos_token_id=0, bos_token_id=None, pad_token_id=0, tie_word_embeddings=False,
         **({"rope_scaling": rope_scaling} if rope_scaling is not None else {}))
     torch.manual_seed(seed)

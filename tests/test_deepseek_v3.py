@@ -23,6 +23,8 @@ CASES = {
     "no_q_lora": {},
     "q_lora_groups": {"q_lora_rank": 24, "n_group": 4, "topk_group": 2},
     "yarn_two_dense": {"rope_scaling": YARN, "first_k_dense_replace": 2, "num_layers": 4},
+    # the decoder norms' eps is the config's, the latent norms' DeepSeek's fixed 1e-6
+    "large_eps": {"q_lora_rank": 24, "rms_norm_eps": 0.5},
 }
 
 

@@ -24,6 +24,10 @@ from blockspec.layers.norm import RMSNorm
 from blockspec.layers.rotary import RotaryEmbedding, yarn_mscale
 from blockspec.models.qwen3 import MLP, CausalLM, DecoderModel
 
+# NOTE: the latent norms' epsilon is DeepSeek's RMSNorm default, not config.rms_norm_eps (which
+# only the decoder layers' norms read), in DeepSeek's model.py and HF transformers alike.
+LATENT_NORM_EPS = 1e-6
+
 
 def mla_softmax_scale(cfg: ModelConfig) -> float:
     """qk_head_dim^-0.5, times mscale(factor, mscale_all_dim)^2 under YaRN (DeepSeek's rule)."""
@@ -45,11 +49,11 @@ class MLAttention(nn.Module):
             self.q_proj = Linear(cfg.hidden_size, q_out, bias=False)
         else:
             self.q_a_proj = Linear(cfg.hidden_size, mla.q_lora_rank, bias=cfg.attention_bias)
-            self.q_a_layernorm = RMSNorm(mla.q_lora_rank, cfg.rms_norm_eps)
+            self.q_a_layernorm = RMSNorm(mla.q_lora_rank, LATENT_NORM_EPS)
             self.q_b_proj = Linear(mla.q_lora_rank, q_out, bias=False)
         self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, mla.kv_lora_rank + mla.qk_rope_head_dim,
                                          bias=cfg.attention_bias)
-        self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, cfg.rms_norm_eps)
+        self.kv_a_layernorm = RMSNorm(mla.kv_lora_rank, LATENT_NORM_EPS)
         self.kv_b_proj = Linear(mla.kv_lora_rank,
                                 self.num_heads * (mla.qk_nope_head_dim + mla.v_head_dim),
                                 bias=False)
