@@ -20,12 +20,13 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "LlamaForCausalLM": "llama",
     "DeepseekV3ForCausalLM": "deepseek_v3",
+    "DeepseekV2ForCausalLM": "deepseek_v3",
     # Kimi-K2.5/K2.6: a DeepSeek-V3 text model under `language_model.`, served text-only
     "KimiK25ForConditionalGeneration": "deepseek_v3",
 }
 _WRAPPERS = {"KimiK25ForConditionalGeneration": "language_model.", "kimi_k25": "language_model."}
 # model_type values served by an architecture above (Kimi-K2 is DeepSeek-V3's).
-MODEL_TYPE_ALIASES = {"kimi_k2": "deepseek_v3"}
+MODEL_TYPE_ALIASES = {"kimi_k2": "deepseek_v3", "deepseek_v2": "deepseek_v3"}
 
 _DTYPES = {
     "float32": torch.float32,

@@ -109,6 +109,21 @@ def default_demo_model() -> Path:
     return path
 
 
+def _deepseek_geometry(vocab: int, num_layers: int, q_lora_rank: int | None, n_group: int,
+                       topk_group: int, first_k_dense_replace: int,
+                       rms_norm_eps: float) -> dict:
+    """A tiny DeepSeek-V2/V3 shape: MLA, 8 routed experts (top 2), one shared."""
+    return dict(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=4,
+        n_shared_experts=1, n_routed_experts=8, routed_scaling_factor=2.5, kv_lora_rank=32,
+        q_lora_rank=q_lora_rank, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16,
+        n_group=n_group, topk_group=topk_group, num_experts_per_tok=2,
+        first_k_dense_replace=first_k_dense_replace, max_position_embeddings=1024,
+        rms_norm_eps=rms_norm_eps, initializer_range=0.25, eos_token_id=0, bos_token_id=None,
+        pad_token_id=0, tie_word_embeddings=False)
+
+
 def build_tiny_deepseek_v3(out: str | os.PathLike, q_lora_rank: int | None = None,
                            n_group: int = 1, topk_group: int = 1,
                            first_k_dense_replace: int = 1, rope_scaling: dict | None = None,
@@ -124,14 +139,8 @@ def build_tiny_deepseek_v3(out: str | os.PathLike, q_lora_rank: int | None = Non
     out.mkdir(parents=True, exist_ok=True)
     vocab = build_tokenizer(out, vocab_size)
     cfg = DeepseekV3Config(
-        vocab_size=vocab, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=4,
-        n_shared_experts=1, n_routed_experts=8, routed_scaling_factor=2.5, kv_lora_rank=32,
-        q_lora_rank=q_lora_rank, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16,
-        n_group=n_group, topk_group=topk_group, num_experts_per_tok=2,
-        first_k_dense_replace=first_k_dense_replace, norm_topk_prob=True,
-        max_position_embeddings=1024, rms_norm_eps=rms_norm_eps, initializer_range=0.25,
-        eos_token_id=0, bos_token_id=None, pad_token_id=0, tie_word_embeddings=False,
+        **_deepseek_geometry(vocab, num_layers, q_lora_rank, n_group, topk_group,
+                             first_k_dense_replace, rms_norm_eps), norm_topk_prob=True,
         **({"rope_scaling": rope_scaling} if rope_scaling is not None else {}))
     torch.manual_seed(seed)
     model = DeepseekV3ForCausalLM(cfg).to(torch.float32)
@@ -140,5 +149,24 @@ def build_tiny_deepseek_v3(out: str | os.PathLike, q_lora_rank: int | None = Non
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(torch.randn_like(b) * 0.5)
+    model.save_pretrained(str(out))
+    return out
+
+
+def build_tiny_deepseek_v2(out: str | os.PathLike, topk_method: str = "greedy",
+                           n_group: int = 1, topk_group: int = 1, norm_topk_prob: bool = False,
+                           num_layers: int = 3, seed: int = 0) -> Path:
+    """A random DeepseekV2ForCausalLM folder (softmax routing) by transformers' own class."""
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    vocab = build_tokenizer(out)
+    cfg = DeepseekV2Config(**_deepseek_geometry(vocab, num_layers, None, n_group, topk_group, 1,
+                                                1e-6),
+                           topk_method=topk_method, norm_topk_prob=norm_topk_prob)
+    torch.manual_seed(seed)
+    model = DeepseekV2ForCausalLM(cfg).to(torch.float32)
+    _perturb_norms(model)
     model.save_pretrained(str(out))
     return out

@@ -49,6 +49,24 @@ def select_experts(router_logits: torch.Tensor, correction_bias: torch.Tensor | 
     return select_experts_reference(*args)
 
 
+def select_experts_softmax(router_logits: torch.Tensor, top_k: int, n_group: int,
+                           topk_group: int, group_limited: bool,
+                           routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V2's router: softmax scores; with `group_limited` only the experts of the
+    `topk_group` groups whose best score is highest compete; the top_k scores times
+    `routed_scaling_factor` are the weights. NOTE: never renormalised, whatever the config's
+    norm_topk_prob, as HF transformers computes it (the published V2 configs set it false)."""
+    scores = router_logits.float().softmax(dim=-1)
+    t, e = scores.shape
+    if group_limited and n_group > 1:
+        best = scores.view(t, n_group, e // n_group).max(dim=-1).values
+        keep = torch.zeros_like(best, dtype=torch.bool)
+        keep.scatter_(1, best.topk(topk_group, dim=-1).indices, True)
+        scores = scores.masked_fill(~keep.repeat_interleave(e // n_group, dim=1), 0.0)
+    weights, ids = scores.topk(top_k, dim=-1)
+    return weights * routed_scaling_factor, ids
+
+
 def experts_reference(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                       gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]), each expert a SiLU-gated MLP:

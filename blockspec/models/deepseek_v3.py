@@ -1,4 +1,5 @@
-"""DeepSeek-V3 / Kimi-K2 decoder: multi-head latent attention (MLA) and mixture-of-experts MLPs.
+"""DeepSeek-V3 / Kimi-K2 (and DeepSeek-V2) decoder: multi-head latent attention (MLA) and
+mixture-of-experts MLPs.
 
 MLA caches one latent per token and layer: the normed `kv_lora_rank` compression of the keys and
 values and the roped `qk_rope_head_dim` key shared by all heads (576 values for DeepSeek-V3 and
@@ -19,7 +20,12 @@ from blockspec.layers.attention import AttentionMetadata, PagedAttention
 from blockspec.layers.fused import rms_norm
 from blockspec.layers.fused_moe import fused_experts
 from blockspec.layers.linear import Linear
-from blockspec.layers.moe import count_experts, experts_reference, select_experts
+from blockspec.layers.moe import (
+    count_experts,
+    experts_reference,
+    select_experts,
+    select_experts_softmax,
+)
 from blockspec.layers.norm import RMSNorm
 from blockspec.layers.rotary import RotaryEmbedding, yarn_mscale
 from blockspec.models.qwen3 import MLP, CausalLM, DecoderModel
@@ -99,13 +105,16 @@ class MLAttention(nn.Module):
 
 
 class TopkRouter(nn.Module):
-    """HF's parameter names: `weight` [E, H] (fp32 in HF), `e_score_correction_bias` [E]."""
+    """HF's parameter names: `weight` [E, H] (fp32 in HF), `e_score_correction_bias` [E]
+    (noaux_tc routers only)."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         e = cfg.moe.num_experts
         self.weight = nn.Parameter(torch.empty(e, cfg.hidden_size, dtype=torch.float32))
-        self.e_score_correction_bias = nn.Parameter(torch.zeros(e, dtype=torch.float32))
+        # NOTE: noaux_tc's selection bias; DeepSeek-V2's softmax router has none.
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(e, dtype=torch.float32)) \
+            if cfg.moe.scoring_func == "sigmoid" else None
 
 
 class Experts(nn.Module):
@@ -151,9 +160,14 @@ class MoE(nn.Module):
         moe = self.moe
         # NOTE: the router in fp32, as HF computes it (bf16 logits would change the picks)
         logits = F.linear(x.float(), self.gate.weight.float())
-        weights, ids = select_experts(logits, self.gate.e_score_correction_bias,
-                                      moe.num_experts_per_tok, moe.n_group, moe.topk_group,
-                                      moe.norm_topk_prob, moe.routed_scaling_factor)
+        if moe.scoring_func == "softmax":
+            weights, ids = select_experts_softmax(
+                logits, moe.num_experts_per_tok, moe.n_group, moe.topk_group,
+                moe.topk_method == "group_limited_greedy", moe.routed_scaling_factor)
+        else:
+            weights, ids = select_experts(logits, self.gate.e_score_correction_bias,
+                                          moe.num_experts_per_tok, moe.n_group, moe.topk_group,
+                                          moe.norm_topk_prob, moe.routed_scaling_factor)
         out = self.experts(x, weights.to(x.dtype), ids, self.experts_backend,
                            self.expert_counts)
         return out + self.shared_experts(x) if self.shared_experts is not None else out
