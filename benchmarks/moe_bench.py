@@ -15,7 +15,9 @@ shared, 1 dense layer) + a 4-layer DFlash drafter (block 16; the adaptive policy
   4. HF transformers `generate` at C=1 on the same weights (outside reference).
 Kimi-K2.6-width slice (hidden 7168, 64 heads, MLA 1536/512/128+64/128, 384 experts of 2048,
 top 8, one shared; one dense + --kimi-moe-layers MoE layers):
-  5. per-layer forward costs at batch 1..256 for 1 (AR), 8 and 16 (verify) tokens per sequence.
+  5. per-layer forward costs at batch 1..256 for 1 (AR), 8 and 16 (verify) tokens per sequence;
+  6. with Kimi K2.6's INT4 experts (--kimi-int4-moe-layers MoE layers): AR batch-1 step against
+     its bytes floor, the W4A16 experts' kernel at 1..64 tokens against bf16's (issue 23).
 
 Usage: python benchmarks/moe_bench.py --out-dir DIR [--concurrency 1,8,32,64,128,256]
 """
@@ -38,8 +40,10 @@ from blockspec.bench.fullsize import INPUT_LEN, OUTPUT_LEN, prompts
 from blockspec.bench.gpu_timing import copy_bandwidth, free, graph_ms, replay_ms
 from blockspec.bench.headline import merge_latest
 from blockspec.bench.moe_shapes import (
+    KIMI_INT4,
     MOONLIGHT,
     expert_bytes,
+    expert_kernel_times,
     kimi_slice,
     layer_times,
     step_floor_bytes,
@@ -199,6 +203,35 @@ def kimi_layers(res: dict, root: Path, num_moe: int) -> None:
               flush=True)
 
 
+def kimi_int4(res: dict, root: Path, num_moe: int, bw: float) -> None:
+    """Issue 23's run: the Kimi-width slice with Kimi K2.6's INT4 experts: AR batch-1 step
+    against its bytes floor, and the W4A16 experts' kernel at 1..64 tokens against bf16's."""
+    shape = {**kimi_slice(num_moe), "quantization_config": KIMI_INT4}
+    target, _ = write_moe_folders(root, "kimi-k2.6-int4-slice", shape)
+    llm = LLM(str(target), **{**ENGINE, "kv_cache_memory_gb": 4, "max_num_seqs": 64})
+    timed_generate(llm, prompts(2, 99), 8)  # warm-up
+    model, mc = llm.engine.model, llm.engine.model_config
+    parts = expert_bytes(model)
+    ctx = INPUT_LEN + OUTPUT_LEN // 2
+    floor_ms = step_floor_bytes(parts, mc.moe.num_experts_per_tok, ctx, mc) / bw * 1e3
+    replay = replay_ms(llm, 1, ctx)
+    r = res["kimi_int4_slice"] = {"moe_layers": num_moe, "bytes": parts, "context": ctx,
+                                  "bytes_floor_ms": floor_ms, "graph_replay_ms": replay,
+                                  "floor_ratio_replay": replay / floor_ms}
+    print(f"Kimi INT4 slice AR b1: floor {floor_ms:.3f} ms, replay {replay:.3f} ms "
+          f"({replay / floor_ms:.2f}x)", flush=True)
+    moe = mc.moe
+    ref = (torch.randn(moe.num_experts, 2 * moe.moe_intermediate_size, mc.hidden_size,
+                       device="cuda", dtype=torch.bfloat16) * 0.02,
+           torch.randn(moe.num_experts, mc.hidden_size, moe.moe_intermediate_size,
+                       device="cuda", dtype=torch.bfloat16) * 0.02)
+    r["kernel"] = expert_kernel_times(model, [1, 8, 16, 32, 64], graph_ms, ref)
+    for row in r["kernel"]:
+        print(f"  W4A16 experts, {row['tokens']} tokens ({row['experts']} experts): "
+              f"{row['ms']:.3f} ms, {row['GBps']:.0f} GB/s; bf16 {row['bf16_ms']:.3f} ms",
+              flush=True)
+
+
 def headline(res: dict, out: Path) -> None:
     figures = {}
     if "ar_b1" in res:
@@ -218,7 +251,9 @@ def main() -> int:
     ap.add_argument("--concurrency", default="1,8,32,64,128,256")
     ap.add_argument("--acceptance", type=float, default=0.86)
     ap.add_argument("--kimi-moe-layers", type=int, default=3)
-    ap.add_argument("--skip", default="", help="stages to skip: ar,dflash,equality,hf,kimi")
+    ap.add_argument("--kimi-int4-moe-layers", type=int, default=6)
+    ap.add_argument("--skip", default="",
+                    help="stages to skip: ar,dflash,equality,hf,kimi,kimi_int4")
     args = ap.parse_args()
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -242,7 +277,8 @@ def main() -> int:
               "dflash": lambda: moonlight_dflash(res, target, drafter, bw, args.acceptance),
               "equality": lambda: moonlight_equality(res, target, drafter),
               "hf": lambda: res.update(hf_generate_c1=hf_generate(target)),
-              "kimi": lambda: kimi_layers(res, root, args.kimi_moe_layers)}
+              "kimi": lambda: kimi_layers(res, root, args.kimi_moe_layers),
+              "kimi_int4": lambda: kimi_int4(res, root, args.kimi_int4_moe_layers, bw)}
     for name, fn in stages.items():
         if name in skip:
             continue

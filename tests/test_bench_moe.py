@@ -53,3 +53,22 @@ def test_floor_bytes_and_layer_rows(tmp_path):
     hidden, taps = calls[1]  # the dense prefix: stops after layer 0, its output tapped
     assert hidden is None and taps[0].shape == (1, cfg.hidden_size)
     assert torch.isfinite(calls[0][0]).all()
+
+
+def test_int4_kimi_slice_bytes_and_kernel_rows(tmp_path):
+    """The INT4 Kimi-layout slice the GPU benchmark builds (tiny here): its quantized experts
+    count as expert bytes at half a byte per weight (+ scales), and the kernel rows come out."""
+    from blockspec.bench.moe_shapes import KIMI_INT4, expert_kernel_times
+
+    shape = {**kimi_slice(1), "hidden_size": 64, "intermediate_size": 128,
+             "moe_intermediate_size": 64, "num_attention_heads": 4, "num_key_value_heads": 4,
+             "q_lora_rank": 32, "kv_lora_rank": 32, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
+             "v_head_dim": 8, "n_routed_experts": 16, "vocab_size": 512,
+             "quantization_config": KIMI_INT4}
+    target, _ = write_moe_folders(tmp_path, "int4", shape)
+    llm = LLM(str(target), device="cpu", dtype="bfloat16", load_format="dummy", num_kv_blocks=8)
+    parts = expert_bytes(llm.engine.model)
+    weights = 3 * 64 * 64  # gate, up, down of one expert
+    assert parts["per_expert"] == weights // 2 + (weights // 32) * 2  # int4 + bf16 scales
+    rows = expert_kernel_times(llm.engine.model, [1, 4], lambda fn: (fn(), 1.0)[1])
+    assert [r["tokens"] for r in rows] == [1, 4] and rows[0]["experts"] == 8

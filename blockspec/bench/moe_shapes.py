@@ -16,7 +16,7 @@ from blockspec.dflash.checkpoint import new_drafter_config
 from blockspec.layers.attention import AttentionMetadata
 from blockspec.tiny import build_tokenizer
 
-__all__ = ["KIMI_MASK_TOKEN", "MOONLIGHT", "expert_bytes", "kimi_slice", "layer_times",
+__all__ = ["KIMI_INT4", "KIMI_MASK_TOKEN", "MOONLIGHT", "expert_bytes", "kimi_slice", "layer_times",
            "step_floor_bytes", "write_moe_folders"]
 
 _DEEPSEEK = dict(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3",
@@ -32,6 +32,18 @@ MOONLIGHT: dict[str, Any] = dict(
     n_routed_experts=64, num_experts_per_tok=6, routed_scaling_factor=2.446, q_lora_rank=None,
     first_k_dense_replace=1, max_position_embeddings=8192, rms_norm_eps=1e-5)
 KIMI_MASK_TOKEN = 163838  # Kimi K2.6's published drafter's mask token (DESIGN.md)
+# Kimi K2.6's quantization_config: compressed-tensors W4A16 (int4, group 32, symmetric) on the
+# routed experts only.
+KIMI_INT4: dict[str, Any] = {
+    "quant_method": "compressed-tensors", "format": "pack-quantized",
+    "quantization_status": "compressed",
+    "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None,
+                                  "output_activations": None,
+                                  "weights": {"num_bits": 4, "type": "int", "symmetric": True,
+                                              "strategy": "group", "group_size": 32,
+                                              "dynamic": False, "actorder": None}}},
+    "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*",
+               "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"]}
 
 
 def kimi_slice(num_moe_layers: int) -> dict[str, Any]:
@@ -125,4 +137,34 @@ def layer_times(model, batches: list[int], block_lens: list[int], context: int,
                          "forward_ms": t_all, "dense_prefix_ms": t_pre,
                          "moe_layer_ms": (t_all - t_pre) / n_moe,
                          "experts_per_moe_layer": selected / max(forwards, 1)})
+    return rows
+
+
+def expert_kernel_times(model, tokens: list[int], graph_ms, reference=None) -> list[dict]:
+    """One MoE layer's routed experts at `tokens` tokens (random routing): the grouped GEMMs'
+    time (CUDA graph replay), the distinct experts read and their bytes per second; with
+    `reference` ((gate_up, down) bf16 tensors of the same shape), the bf16 kernels' time too."""
+    from blockspec.layers.fused_moe import fused_experts
+    from blockspec.layers.moe import select_experts
+
+    moe = model.moe_layers[0]
+    cfg = moe.moe
+    dev = next(model.parameters()).device
+    per_expert = sum(p.numel() * p.element_size() for p in moe.experts.parameters()) \
+        // cfg.num_experts
+    rows = []
+    for t in tokens:
+        x = torch.randn(t, model.config.hidden_size, device=dev, dtype=torch.bfloat16)
+        w, ids = select_experts(torch.randn(t, cfg.num_experts, device=dev), None,
+                                cfg.num_experts_per_tok, 1, 1, True, 1.0)
+        w = w.to(x.dtype)
+        distinct = ids.unique().numel()
+        ms = graph_ms(lambda x=x, w=w, ids=ids: moe.experts(x, w, ids, moe.experts_backend,
+                                                              moe.expert_counts))
+        row = {"tokens": t, "experts": distinct, "ms": ms,
+               "GBps": distinct * per_expert / (ms * 1e-3) / 1e9}
+        if reference is not None:
+            row["bf16_ms"] = graph_ms(lambda x=x, w=w, ids=ids: fused_experts(x, w, ids,
+                                                                              *reference))
+        rows.append(row)
     return rows
