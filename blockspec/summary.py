@@ -5,13 +5,13 @@ grow from."""
 from __future__ import annotations
 
 import json
-import struct
 from collections import Counter
 from math import prod
 from pathlib import Path
 from typing import Any
 
 from blockspec.errors import ConfigError
+from blockspec.sizing.tensors import read_header
 
 
 def tensor_stats(folder: Path) -> tuple[int, Counter[str]]:
@@ -20,26 +20,11 @@ def tensor_stats(folder: Path) -> tuple[int, Counter[str]]:
 
     total, by_dtype = 0, Counter()
     for file in safetensors_files(folder):
-        for name, meta in _header(file).items():
-            if name != "__metadata__":
-                n = prod(meta["shape"])
-                total += n
-                by_dtype[meta["dtype"]] += n
+        for meta in read_header(file).values():
+            n = prod(meta["shape"])
+            total += n
+            by_dtype[meta["dtype"]] += n
     return total, by_dtype
-
-
-def _header(file: Path) -> dict[str, Any]:
-    # NOTE: a safetensors file opens with its header's length (u64, little-endian) and the
-    # header itself, JSON: {name: {dtype, shape, data_offsets}}.
-    with file.open("rb") as f:
-        head = f.read(8)
-        length = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
-        try:
-            if not 0 < length <= file.stat().st_size - 8:
-                raise ValueError
-            return json.loads(f.read(length))
-        except ValueError:
-            raise ConfigError(f"{str(file)!r} is not a safetensors file") from None
 
 
 def summarize(folder: str | Path) -> dict[str, Any]:

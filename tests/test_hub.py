@@ -164,6 +164,7 @@ def test_download_fetches_verifies_and_summarizes(hub, monkeypatch, capsys, qwen
     assert "sha256 of 1 LFS file(s), git blob sha1 of 5" in out
     assert "Qwen3ForCausalLM (qwen3)" in out and "DFlash drafter, block 16" in out
     assert "serve it with: blockspec serve org/tiny --draft org/tiny-dflash" in out
+    assert "plan per GPU  TP 1 x EP 1" in out and "verdict     fits" in out  # inspect
     # Only the engine's files, byte for byte (no README, subfolder, or untrusted *.py).
     assert {p.name for p in snapshot.iterdir()} == ENGINE_FILES
     assert set(hub.file_gets()) == ENGINE_FILES | {"config.json", "model.safetensors"}

@@ -44,6 +44,7 @@ def cmd_download(args: argparse.Namespace) -> int:
         if not is_hub_id(name):
             raise ConfigError(f"{what} {name!r} is not a Hugging Face Hub id (org/name)")
     serve = ["blockspec", "serve"]
+    paths: dict[str, str] = {}
     for what, name, revision, local_dir in jobs:
         try:
             snap = fetch(name, revision=revision, trust_remote_code=args.trust_remote_code,
@@ -62,14 +63,30 @@ def cmd_download(args: argparse.Namespace) -> int:
         print("  " + (check.summary() if snap.files is not None
                       else "not verified: offline, and no cached listing of the repo"))
         print(f"  {summary_line(snap.path)}")
+        paths[what] = snap.path
         if Path(name).exists() and local_dir is None:
             print(f"  note: a local folder {name!r} exists here and wins over the Hub id: serve "
                   "the path above", file=sys.stderr)
         serve += _serve_args(what, name, revision, local_dir)
     if args.trust_remote_code:
         serve.append("--trust-remote-code")
+    print_inspect(paths["model"], paths.get("draft"))
     print("serve it with: " + shlex.join(serve))
     return 0
+
+
+def print_inspect(model: str, draft: str | None) -> None:
+    """`blockspec inspect`'s report of the downloaded pair on one H200, or why blockspec cannot
+    serve it."""
+    from blockspec.cli_inspect import render
+    from blockspec.sizing.plan import inspect_drafter, inspect_model, plan_layout
+
+    try:
+        report = inspect_model(model)
+        pair = inspect_drafter(draft, report) if draft else None
+        sys.stdout.write(render(report, pair, plan_layout(report, pair, 1, 1, 141.0, 0.9, None)))
+    except ConfigError as e:
+        print(f"blockspec cannot serve it as it is: {e}")
 
 
 def _serve_args(what: str, name: str, revision: str | None, local_dir: str | None) -> list[str]:

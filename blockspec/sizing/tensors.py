@@ -19,6 +19,7 @@ from pathlib import Path
 
 from blockspec.config import ModelConfig
 from blockspec.dflash.config import DFlashConfig
+from blockspec.errors import ConfigError
 from blockspec.quant_config import FP8, QuantConfig
 
 _REPLICATED = re.compile(r"norm|\.mlp\.gate\.|q_a_proj|kv_a_proj_with_mqa|correction_bias")
@@ -151,10 +152,18 @@ def drafter_tensors(d: DFlashConfig, elem: int) -> list[Tensor]:
 
 
 def read_header(file: Path) -> dict[str, dict]:
-    """A safetensors file's header: {name: {dtype, shape, data_offsets}} (8 + N bytes read)."""
+    """A safetensors file's header: {name: {dtype, shape, data_offsets}} (8 + N bytes read).
+    NOTE: the file opens with the header's length (u64, little-endian), then the JSON."""
+    file = Path(file)
     with open(file, "rb") as f:
-        (size,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(size))
+        head = f.read(8)
+        size = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+        try:
+            if not 0 < size <= file.stat().st_size - 8:
+                raise ValueError
+            header = json.loads(f.read(size))
+        except ValueError:
+            raise ConfigError(f"{str(file)!r} is not a safetensors file") from None
     header.pop("__metadata__", None)
     return header
 
