@@ -141,8 +141,8 @@ def resolve_model(args: argparse.Namespace) -> str:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from blockspec.engine.llm_engine import LLMEngine
     from blockspec.llm import EngineConfig
+    from blockspec.parallel.driver import make_engine
     from blockspec.sampling_params import SamplingParams
 
     params = SamplingParams(
@@ -150,7 +150,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         seed=args.sample_seed, max_tokens=args.max_tokens, stop=args.stop or None,
         ignore_eos=args.ignore_eos,
     )
-    engine = LLMEngine(EngineConfig(model=resolve_model(args), **engine_kwargs(args)))
+    engine = make_engine(EngineConfig(model=resolve_model(args), **engine_kwargs(args)))
     prompt = args.prompt
     if args.chat:
         if not getattr(engine.tokenizer, "chat_template", None):

@@ -13,8 +13,8 @@ from tqdm.auto import tqdm
 from blockspec.chat import render_chat
 from blockspec.config import EngineConfig
 from blockspec.demo import default_pair
-from blockspec.engine.llm_engine import LLMEngine
 from blockspec.outputs import RequestOutput
+from blockspec.parallel.driver import make_engine
 from blockspec.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -43,7 +43,7 @@ class LLM:
         model, draft, note = default_pair(model, engine_args.pop("draft", None))
         if note:
             logger.warning(note)
-        self.engine = LLMEngine(EngineConfig(model=model, draft=draft, **engine_args))
+        self.engine = make_engine(EngineConfig(model=model, draft=draft, **engine_args))
         self.tokenizer = self.engine.tokenizer
 
     def chat(

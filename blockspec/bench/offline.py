@@ -31,6 +31,7 @@ from blockspec.bench.stats import RequestRecord, acceptance_from_spec, summarize
 from blockspec.config import ConfigError, EngineConfig
 from blockspec.dflash.metrics import SpecStats
 from blockspec.engine.llm_engine import LLMEngine
+from blockspec.parallel.driver import make_engine
 from blockspec.sampling_params import SamplingParams
 
 
@@ -126,7 +127,7 @@ def build_engine(args: argparse.Namespace, model: str, kwargs: dict[str, Any]) -
         # NOTE: the labelled benchmark-only mode: drafts are accepted at random, the text is not
         # the target's. EngineConfig refuses it without benchmark_mode.
         kw.update(synthetic_acceptance=args.synthetic_acceptance, benchmark_mode=True)
-    return LLMEngine(EngineConfig(model=model, **kw))
+    return make_engine(EngineConfig(model=model, **kw))
 
 
 def engine_facts(engine: LLMEngine) -> dict[str, Any]:
