@@ -43,6 +43,11 @@ def ds_pair(tmp_path_factory) -> tuple[Path, Path]:
     return target, build_random_drafter(root / "drafter", target, num_layers=2, block_size=8)
 
 
+@pytest.fixture(scope="module")
+def ds_ref(ds_pair) -> list[list[int]]:
+    return tokens(LLM(str(ds_pair[0]), **KW))
+
+
 def test_tp1_is_the_single_process_engine(qwen3_path):
     llm = LLM(str(qwen3_path), **KW)
     assert type(llm.engine) is LLMEngine and not dist.is_initialized()
@@ -65,19 +70,18 @@ def test_tp2_qwen3_greedy_equals_one_process(tmp_path, kv_heads, tied):
 
 
 @pytest.mark.parametrize("ep", [1, 2])
-def test_tp2_deepseek_v3_greedy_equals_one_process(ds_pair, ep):
+def test_tp2_deepseek_v3_greedy_equals_one_process(ds_pair, ds_ref, ep):
     """MLA query heads split; every expert split over 2 ranks (EP 1) or whole on one (EP 2)."""
-    ref = tokens(LLM(str(ds_pair[0]), **KW))
-    assert parallel_tokens(ds_pair[0], tensor_parallel_size=2, expert_parallel_size=ep) == ref
+    assert parallel_tokens(ds_pair[0], tensor_parallel_size=2, expert_parallel_size=ep) \
+        == ds_ref
 
 
-def test_tp2_dflash_greedy_equals_autoregressive(ds_pair):
+def test_tp2_dflash_greedy_equals_autoregressive(ds_pair, ds_ref):
     target, drafter = ds_pair
-    ref = tokens(LLM(str(target), **KW))
     llm = LLM(str(target), **KW, tensor_parallel_size=2, draft=str(drafter),
               speculation_policy="fixed", cost_profile="none")
     try:
-        assert tokens(llm) == ref
+        assert tokens(llm) == ds_ref
         assert llm.engine.spec_stats.block_len_steps[8] > 0
     finally:
         llm.engine.shutdown()

@@ -71,8 +71,11 @@ class ParallelEngine(LLMEngine):
         self._stopped = False
         self._failed: str | None = None
         self.workers: dict = {}
+        self._threads = torch.get_num_threads()
         if config.device.startswith("cuda"):
             torch.cuda.set_device(0)
+        else:
+            torch.set_num_threads(launch.cpu_threads(config))
         if launch.under_torchrun():
             method = "env://"
         else:
@@ -175,6 +178,7 @@ class ParallelEngine(LLMEngine):
             if p.is_alive():
                 p.terminate()
         shutdown_parallel()
+        torch.set_num_threads(self._threads)
         ParallelEngine._active = None
 
 

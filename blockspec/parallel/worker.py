@@ -21,6 +21,7 @@ import torch
 from blockspec.config import EngineConfig
 from blockspec.engine.llm_engine import LLMEngine
 from blockspec.engine.step_error import StepError
+from blockspec.parallel.launch import cpu_threads
 from blockspec.parallel.state import broadcast_command, init_parallel, shutdown_parallel
 
 log = logging.getLogger("blockspec")
@@ -77,7 +78,7 @@ def worker_main(config: EngineConfig, rank: int, local_rank: int, init_method: s
     if config.device.startswith("cuda"):
         torch.cuda.set_device(local_rank)
     else:
-        torch.set_num_threads(1)  # NOTE: CPU ranks share the host's cores
+        torch.set_num_threads(cpu_threads(config))
     try:
         init_parallel(rank, config.tensor_parallel_size, config.expert_parallel_size,
                       init_method, config.device)
