@@ -102,3 +102,54 @@ def test_a_killed_worker_ends_the_engine_with_an_error(qwen3_path):
             engine.step()
     assert time.monotonic() - t0 < 30
     assert not dist.is_initialized()  # NOTE: shut down: a new engine may start
+
+
+def test_the_server_answers_with_tp2(qwen3_path):
+    import httpx
+
+    from blockspec.parallel.driver import make_engine
+    from blockspec.server.api import build_app
+    from blockspec.server.runner import BackgroundServer
+
+    prompt = "def fibonacci(n):"
+    want = LLM(str(qwen3_path), **KW).generate(
+        prompt, SamplingParams(temperature=0, max_tokens=8), use_tqdm=False)[0].text
+    engine = make_engine(EngineConfig(model=str(qwen3_path), **KW, tensor_parallel_size=2))
+    try:
+        with BackgroundServer(build_app(engine, "tiny", log_stats_interval=None)) as srv:
+            r = httpx.post(f"{srv.url}/v1/completions", timeout=60, json=dict(
+                model="tiny", prompt=prompt, max_tokens=8, temperature=0))
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["text"] == want
+    finally:
+        engine.shutdown()
+
+
+def test_bench_offline_records_the_layout(qwen3_path, tmp_path, capsys):
+    import json
+
+    from blockspec.cli import main
+    from blockspec.parallel.driver import ParallelEngine
+
+    out = tmp_path / "tp2.json"
+    try:
+        rc = main(["bench", "offline", "--model", str(qwen3_path), "--device", "cpu", "-tp", "2",
+                   "--num-kv-blocks", "64", "--concurrency", "1", "--num-prompts", "2",
+                   "--input-len", "8", "--output-len", "4", "--warmup-tokens", "0",
+                   "--out", str(out)])
+    finally:
+        if ParallelEngine._active is not None:
+            ParallelEngine._active.shutdown()
+    assert rc == 0, capsys.readouterr().err
+    res = json.loads(out.read_text())
+    assert res["label"].startswith("TP2 ")
+    assert res["config"]["engine"]["parallel"] == {
+        "tensor_parallel_size": 2, "expert_parallel_size": 1, "layout": "TP2"}
+
+
+@pytest.mark.parametrize("tp,ep,want", [(1, 1, ""), (8, 1, "TP8"), (8, 8, "EP8"),
+                                        (8, 4, "EP4x2")])
+def test_layout_labels(tp, ep, want):
+    from blockspec.parallel.launch import layout_label
+
+    assert layout_label(tp, ep) == want

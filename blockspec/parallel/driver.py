@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import sys
 import threading
 import time
 
@@ -183,7 +184,14 @@ class ParallelEngine(LLMEngine):
 
 
 def make_engine(config: EngineConfig) -> LLMEngine:
-    """LLMEngine on one GPU (exactly today's path), ParallelEngine with tensor parallelism."""
+    """LLMEngine on one GPU (exactly today's path), ParallelEngine with tensor parallelism.
+    NOTE: on a node other than node 0 (`node_rank` > 0, or a torchrun rank > 0) this process
+    is only a host of workers: it runs them until rank 0 stops them and exits, never
+    returning, so the same command line serves every node."""
     if config.tensor_parallel_size == 1:
         return LLMEngine(config)
+    if launch.under_torchrun() and int(os.environ["RANK"]) > 0:
+        launch.torchrun_main(config)
+    if config.node_rank > 0 and not launch.under_torchrun():
+        sys.exit(launch.run_node(config))
     return ParallelEngine(config)

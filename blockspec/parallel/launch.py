@@ -20,6 +20,17 @@ from blockspec.config import EngineConfig
 log = logging.getLogger("blockspec")
 
 
+def layout_label(tensor_parallel_size: int, expert_parallel_size: int) -> str:
+    """"TP8", "EP8" (whole experts per GPU), "EP4x2" (4 expert groups of 2 GPUs); "" on one
+    GPU."""
+    tp, ep = tensor_parallel_size, expert_parallel_size
+    if tp == 1:
+        return ""
+    if ep == 1:
+        return f"TP{tp}"
+    return f"EP{ep}" if ep == tp else f"EP{ep}x{tp // ep}"
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
