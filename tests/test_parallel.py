@@ -153,3 +153,41 @@ def test_layout_labels(tp, ep, want):
     from blockspec.parallel.launch import layout_label
 
     assert layout_label(tp, ep) == want
+
+
+def _vocab_parallel_rank(rank: int, port: int, x, weight) -> None:
+    import torch
+
+    from blockspec.layers.linear import Linear
+    from blockspec.parallel.layers import ParallelLMHead, VocabParallelEmbedding
+    from blockspec.parallel.state import init_parallel, shutdown_parallel
+
+    init_parallel(rank, 2, 1, f"tcp://127.0.0.1:{port}", "cpu")
+    try:
+        per, vocab = 4, weight.shape[0]  # 7 rows over 2 ranks: rank 1 pads one row
+        shard = torch.zeros(per, weight.shape[1])
+        shard[:min(per, vocab - rank * per)] = weight[rank * per:(rank + 1) * per]
+        head = Linear(weight.shape[1], per, bias=False)
+        head.weight.data.copy_(shard)
+        lm = ParallelLMHead(head, vocab, rank * per)
+        full = x @ weight.T
+        torch.testing.assert_close(lm(x), full)
+        assert torch.equal(lm.greedy(x), full.argmax(-1))
+        ids = torch.arange(vocab)
+        assert torch.equal(VocabParallelEmbedding(shard, rank * per)(ids), weight)
+    finally:
+        shutdown_parallel()
+
+
+def test_vocab_parallel_head_and_embedding_match_the_whole_ones():
+    """Logits, the greedy pick without gathering them (all logits negative: a padding row's
+    zero logit must never win) and the embedding, against plain torch on the whole matrix."""
+    import torch
+    import torch.multiprocessing as mp
+
+    from blockspec.parallel.launch import free_port
+
+    g = torch.Generator().manual_seed(0)
+    weight = torch.rand(7, 5, generator=g) + 0.5
+    x = -torch.rand(6, 5, generator=g) - 0.1  # every logit < 0
+    mp.spawn(_vocab_parallel_rank, args=(free_port(), x, weight), nprocs=2)

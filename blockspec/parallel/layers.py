@@ -48,10 +48,11 @@ class ParallelLMHead(nn.Module):
     full [T, vocab_size] (every rank then samples the same tokens from the same logits).
     NOTE: the shards are padded to one size (the gather needs it); the padding is cut off."""
 
-    def __init__(self, head: Linear, vocab_size: int) -> None:
+    def __init__(self, head: Linear, vocab_size: int, start: int) -> None:
         super().__init__()
         self.head = head
-        self.vocab_size = vocab_size
+        self.vocab_size, self.start = vocab_size, start
+        self.valid = max(min(head.out_features, vocab_size - start), 0)  # rows before padding
 
     @property
     def weight(self) -> torch.Tensor:
@@ -59,6 +60,16 @@ class ParallelLMHead(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return all_gather_last(self.head(x))[..., :self.vocab_size]
+
+    def greedy(self, x: torch.Tensor) -> torch.Tensor:
+        """argmax of forward(x) [T] without gathering the logits: each rank's best value and
+        its global index, then one small all-gather of those. NOTE: ties go to the lowest
+        index, as torch.argmax's first maximum (ranks hold ascending vocabulary rows)."""
+        logits = self.head(x)[..., :self.valid].float()
+        best, idx = logits.max(dim=-1)
+        best = all_gather_last(best[..., None])  # [T, ranks]
+        idx = all_gather_last((idx + self.start)[..., None])
+        return idx.gather(-1, best.argmax(dim=-1, keepdim=True)).squeeze(-1)
 
 
 class GroupExperts(nn.Module):

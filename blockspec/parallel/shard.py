@@ -137,7 +137,7 @@ def _shard_vocab(model: nn.Module, vocab: int, ps: ParallelState, tied: bool) ->
         head.weight.data.zero_()
         head.weight.data[:max(min(per, vocab - start), 0)] = lm[start:start + per]
     head.requires_grad_(False)
-    model.lm_head = ParallelLMHead(head, vocab)
+    model.lm_head = ParallelLMHead(head, vocab, start)
 
 
 def shard_model(model: nn.Module, mc: ModelConfig, ps: ParallelState) -> ModelConfig:
