@@ -63,10 +63,17 @@ def test_bad_layouts_are_refused(qwen3_path, kw):
 
 @pytest.mark.parametrize("kv_heads,tied", [(2, False), (1, True)])
 def test_tp2_qwen3_greedy_equals_one_process(tmp_path, kv_heads, tied):
-    """KV heads split (2 over 2 ranks) and replicated (1 on both), untied and tied LM head."""
+    """KV heads split (2 over 2 ranks) and replicated (1 on both), untied and tied LM head;
+    a seeded sampled request beside the greedy ones (every rank samples the same tokens)."""
     path = build_tiny_model(tmp_path / "m", num_kv_heads=kv_heads, tie_word_embeddings=tied)
-    ref = tokens(LLM(str(path), **KW))
-    assert parallel_tokens(path, tensor_parallel_size=2) == ref
+    params = [GREEDY, SamplingParams(temperature=0.9, top_p=0.9, seed=7, max_tokens=12,
+                                     ignore_eos=True), GREEDY]
+    ref = tokens(LLM(str(path), **KW), params=params)
+    llm = LLM(str(path), **KW, tensor_parallel_size=2)
+    try:
+        assert tokens(llm, params=params) == ref
+    finally:
+        llm.engine.shutdown()
 
 
 @pytest.mark.parametrize("ep", [1, 2])
@@ -76,13 +83,17 @@ def test_tp2_deepseek_v3_greedy_equals_one_process(ds_pair, ds_ref, ep):
         == ds_ref
 
 
-def test_tp2_dflash_greedy_equals_autoregressive(ds_pair, ds_ref):
+@pytest.mark.parametrize("policy", ["fixed", "adaptive"])
+def test_tp2_dflash_greedy_equals_autoregressive(ds_pair, ds_ref, policy):
+    """Fixed blocks of 8; the adaptive policy prices steps by rank 0's cost profile and step
+    times on every rank (else the ranks would plan different steps and hang)."""
     target, drafter = ds_pair
     llm = LLM(str(target), **KW, tensor_parallel_size=2, draft=str(drafter),
-              speculation_policy="fixed", cost_profile="none")
+              speculation_policy=policy, cost_profile="none")
     try:
         assert tokens(llm) == ds_ref
-        assert llm.engine.spec_stats.block_len_steps[8] > 0
+        steps = llm.engine.spec_stats.block_len_steps
+        assert steps[8] > 0 if policy == "fixed" else sum(steps.values()) > 0
     finally:
         llm.engine.shutdown()
 
