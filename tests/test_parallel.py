@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -136,21 +137,38 @@ def test_the_server_answers_with_tp2(qwen3_path):
         engine.shutdown()
 
 
-def test_bench_offline_records_the_layout(qwen3_path, tmp_path, capsys):
+@pytest.fixture
+def cli_engine_stopped() -> Iterator[None]:
+    """A CLI command leaves its engine to the process's exit: stop it after the test."""
+    from blockspec.parallel.driver import ParallelEngine
+
+    yield
+    if ParallelEngine._active is not None:
+        ParallelEngine._active.shutdown()
+
+
+def test_generate_cli_takes_tp(qwen3_path, capsys, cli_engine_stopped):
+    from blockspec.cli import main
+
+    argv = ["generate", "--model", str(qwen3_path), "--device", "cpu", "--num-kv-blocks", "32",
+            "--prompt", "def fibonacci(n):", "--max-tokens", "8"]
+    assert main(argv) == 0
+    want = capsys.readouterr().out
+    assert want.strip()
+    assert main([*argv, "-tp", "2"]) == 0
+    assert capsys.readouterr().out == want
+
+
+def test_bench_offline_records_the_layout(qwen3_path, tmp_path, capsys, cli_engine_stopped):
     import json
 
     from blockspec.cli import main
-    from blockspec.parallel.driver import ParallelEngine
 
     out = tmp_path / "tp2.json"
-    try:
-        rc = main(["bench", "offline", "--model", str(qwen3_path), "--device", "cpu", "-tp", "2",
-                   "--num-kv-blocks", "64", "--concurrency", "1", "--num-prompts", "2",
-                   "--input-len", "8", "--output-len", "4", "--warmup-tokens", "0",
-                   "--out", str(out)])
-    finally:
-        if ParallelEngine._active is not None:
-            ParallelEngine._active.shutdown()
+    rc = main(["bench", "offline", "--model", str(qwen3_path), "--device", "cpu", "-tp", "2",
+               "--num-kv-blocks", "64", "--concurrency", "1", "--num-prompts", "2",
+               "--input-len", "8", "--output-len", "4", "--warmup-tokens", "0",
+               "--out", str(out)])
     assert rc == 0, capsys.readouterr().err
     res = json.loads(out.read_text())
     assert res["label"].startswith("TP2 ")
