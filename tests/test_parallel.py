@@ -73,6 +73,9 @@ def test_tp2_qwen3_greedy_equals_one_process(tmp_path, kv_heads, tied):
     llm = LLM(str(path), **KW, tensor_parallel_size=2)
     try:
         assert tokens(llm, params=params) == ref
+        attn = llm.engine.model.model.layers[0].self_attn.block
+        # NOTE: this rank loaded its slice only: 2 of 4 query heads, 1 KV head (K and V)
+        assert attn.qkv_proj.weight.shape[0] == (2 + 2 * 1) * 16
     finally:
         llm.engine.shutdown()
 
@@ -220,3 +223,19 @@ def test_vocab_parallel_head_and_embedding_match_the_whole_ones():
     weight = torch.rand(7, 5, generator=g) + 0.5
     x = -torch.rand(6, 5, generator=g) - 0.1  # every logit < 0
     mp.spawn(_vocab_parallel_rank, args=(free_port(), x, weight), nprocs=2)
+
+
+def test_a_checkpoint_missing_a_weight_is_refused_by_name(qwen3_path, tmp_path):
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    broken = tmp_path / "broken"
+    shutil.copytree(qwen3_path, broken)
+    (file,) = broken.glob("*.safetensors")
+    weights = load_file(file)
+    del weights["model.layers.1.mlp.down_proj.weight"]
+    save_file(weights, file)
+    with pytest.raises(ConfigError, match="missing weights.*layers.1.mlp.down_proj"):
+        LLM(str(broken), **KW, tensor_parallel_size=2)
+    assert not dist.is_initialized()

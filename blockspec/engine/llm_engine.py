@@ -58,7 +58,7 @@ class LLMEngine:
             self.model = load_model(config.model_path, mc, self.dtype, self.device,
                                     config.load_format)
         else:
-            from blockspec.parallel.shard import load_sharded
+            from blockspec.parallel.loading import load_sharded
 
             self.model, kv_config = load_sharded(config, mc, self.dtype, self.device)
         self.eos_token_ids = eos_token_ids(self.model_config, config.model_path, self.tokenizer)

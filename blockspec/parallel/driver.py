@@ -137,6 +137,8 @@ class ParallelEngine(LLMEngine):
     def _raise_if_worker_died(self, error: Exception) -> None:
         """Re-raises a collective's failure as WorkerDiedError naming the rank that caused it."""
         cause = error.cause if isinstance(error, StepError) else error
+        if isinstance(cause, ConfigError):
+            return  # NOTE: rank 0's own refusal (every rank refuses alike): the real message
         dead = self._dead_worker()
         if dead is None:
             time.sleep(1.0)  # NOTE: a peer's sockets close a moment before its exit is seen

@@ -5,8 +5,7 @@ MLA: query heads split, the latent projection and cache whole on every rank), de
 their intermediate size (gate/up by rows, down by columns), the embedding and LM head split the
 vocabulary, and routed experts go to `expert_parallel_size` groups, each expert's intermediate
 size split over the group's ranks. Each attention and MLP/MoE block then ends in one all-reduce.
-NOTE: the checkpoint is loaded whole (on the host) and sliced here: a rank's peak host memory
-is the whole model's.
+loading.py slices each decoder layer as it is loaded; `shard_model` slices a whole model.
 """
 
 from __future__ import annotations
@@ -122,7 +121,7 @@ def _shard_experts(moe: MoE, ps: ParallelState) -> None:
         _shard_mlp(moe.shared_experts, ps.rank, ps.world_size)
 
 
-def _shard_vocab(model: nn.Module, vocab: int, ps: ParallelState, tied: bool) -> None:
+def shard_vocab(model: nn.Module, vocab: int, ps: ParallelState, tied: bool) -> None:
     per = -(-vocab // ps.world_size)
     start = ps.rank * per
     emb = model.model.embed_tokens.weight.data
@@ -140,33 +139,35 @@ def _shard_vocab(model: nn.Module, vocab: int, ps: ParallelState, tied: bool) ->
     model.lm_head = ParallelLMHead(head, vocab, start)
 
 
-def shard_model(model: nn.Module, mc: ModelConfig, ps: ParallelState) -> ModelConfig:
-    """Slices `model` (loaded whole, on the host) for rank `ps.rank`; returns the model config
-    as this rank's KV cache sees it (its local KV heads)."""
-    local_kv = mc.num_key_value_heads
-    for layer in model.model.layers:
-        attn = layer.self_attn
-        if isinstance(attn, MLAttention):
-            _shard_mla(attn, ps)
-        else:
-            local_kv = _shard_gqa(attn, ps)
-        if isinstance(layer.mlp, MoE):
-            _shard_experts(layer.mlp, ps)
-        else:
-            _shard_mlp(layer.mlp, ps.rank, ps.world_size)
-        layer.self_attn, layer.mlp = ReduceOutput(attn), ReduceOutput(layer.mlp)
-    _shard_vocab(model, mc.vocab_size, ps, mc.tie_word_embeddings)
-    if mc.mla is not None:
+def shard_layer(layer: nn.Module, ps: ParallelState) -> int | None:
+    """Slices one decoder layer for rank `ps.rank` and ends its attention and MLP blocks in an
+    all-reduce; returns its local KV heads (None for MLA: the latent is whole)."""
+    attn, local_kv = layer.self_attn, None
+    if isinstance(attn, MLAttention):
+        _shard_mla(attn, ps)
+    else:
+        local_kv = _shard_gqa(attn, ps)
+    if isinstance(layer.mlp, MoE):
+        _shard_experts(layer.mlp, ps)
+    else:
+        _shard_mlp(layer.mlp, ps.rank, ps.world_size)
+    layer.self_attn, layer.mlp = ReduceOutput(attn), ReduceOutput(layer.mlp)
+    return local_kv
+
+
+def local_kv_config(mc: ModelConfig, local_kv: int | None) -> ModelConfig:
+    """The model config as a rank's KV cache sees it (its local KV heads)."""
+    if mc.mla is not None or local_kv is None:
         return mc
     return dataclasses.replace(mc, num_key_value_heads=local_kv)
 
 
-def load_sharded(config, mc: ModelConfig, dtype: torch.dtype, device: torch.device
-                 ) -> tuple[nn.Module, ModelConfig]:
-    """The target loaded whole on the host, sliced for this rank, then moved to `device`."""
-    from blockspec.models.loader import load_model
-    from blockspec.parallel.state import get_state
+def shard_model(model: nn.Module, mc: ModelConfig, ps: ParallelState) -> ModelConfig:
+    """Slices `model` (loaded whole, on the host) for rank `ps.rank`; returns the model config
+    as this rank's KV cache sees it."""
+    local_kv = None
+    for layer in model.model.layers:
+        local_kv = shard_layer(layer, ps)
+    shard_vocab(model, mc.vocab_size, ps, mc.tie_word_embeddings)
+    return local_kv_config(mc, local_kv)
 
-    model = load_model(config.model_path, mc, dtype, torch.device("cpu"), config.load_format)
-    kv_config = shard_model(model, mc, get_state())
-    return model.to(device), kv_config
