@@ -161,6 +161,9 @@ class EngineConfig:
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes or tp % self.nnodes:
             raise ConfigError(f"nnodes ({self.nnodes}) must divide tensor_parallel_size ({tp}) "
                               f"and node_rank ({self.node_rank}) be in [0, nnodes)")
+        if tp > 1 and ":" in self.device:
+            raise ConfigError(f"tensor parallelism places rank i on GPU i of its node: pass "
+                              f"device 'cuda', not {self.device!r}")
         if self.nnodes > 1 and self.master_port is None:
             raise ConfigError("several nodes need --master-addr and --master-port (node 0's)")
         if tp > 1 and self.device.startswith("cuda") \

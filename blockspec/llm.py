@@ -36,7 +36,9 @@ class LLM:
     `gpu_memory_utilization`, `enable_prefix_caching`, `seed` (for requests without their own),
     `enforce_eager`, `attention_backend`, `linear_backend`, `tokenizer`,
     `trust_remote_code` (run a tokenizer's own code, e.g. Kimi's tiktoken tokenizer),
-    `load_format` ("dummy": random weights, benchmarks only).
+    `load_format` ("dummy": random weights, benchmarks only), `tensor_parallel_size`,
+    `expert_parallel_size` (several GPUs, docs/parallel.md: call `engine.shutdown()` when done;
+    spawned workers need the `if __name__ == "__main__":` guard in scripts).
     """
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:

@@ -239,3 +239,28 @@ def test_a_checkpoint_missing_a_weight_is_refused_by_name(qwen3_path, tmp_path):
     with pytest.raises(ConfigError, match="missing weights.*layers.1.mlp.down_proj"):
         LLM(str(broken), **KW, tensor_parallel_size=2)
     assert not dist.is_initialized()
+
+
+def test_two_nodes_run_as_one_engine(qwen3_path):
+    """--nnodes 2 on one host: node 1 (the CLI, in a subprocess) only hosts rank 1's worker
+    and exits 0 once node 0's engine shuts down."""
+    import subprocess
+    import sys
+
+    from blockspec.parallel.launch import free_port
+
+    port = free_port()
+    node1 = subprocess.Popen(
+        [sys.executable, "-m", "blockspec.cli", "generate", "--model", str(qwen3_path),
+         "--device", "cpu", "--num-kv-blocks", "32", "--max-num-seqs", "2", "--prompt", "x",
+         "-tp", "2", "--nnodes", "2", "--node-rank", "1", "--master-port", str(port)],
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    try:
+        llm = LLM(str(qwen3_path), **KW, tensor_parallel_size=2, nnodes=2, master_port=port)
+        try:
+            assert tokens(llm) == tokens(LLM(str(qwen3_path), **KW))
+        finally:
+            llm.engine.shutdown()
+        assert node1.wait(timeout=60) == 0
+    finally:
+        node1.kill()
