@@ -84,7 +84,6 @@ class ParallelEngine(LLMEngine):
             self.workers = launch.spawn_workers(config, port)
             method = launch.init_method(config, port)
         ParallelEngine._active = self
-        atexit.register(self.shutdown)
         threading.Thread(target=self._watch, daemon=True, name="blockspec-watchdog").start()
         try:
             init_parallel(0, config.tensor_parallel_size, config.expert_parallel_size, method,
@@ -183,6 +182,14 @@ class ParallelEngine(LLMEngine):
         shutdown_parallel()
         torch.set_num_threads(self._threads)
         ParallelEngine._active = None
+
+
+@atexit.register
+def _shutdown_active() -> None:
+    """Stops the live parallel engine's workers at exit. NOTE: registered once, holding no
+    engine: an engine shut down by hand is freed."""
+    if ParallelEngine._active is not None:
+        ParallelEngine._active.shutdown()
 
 
 def make_engine(config: EngineConfig) -> LLMEngine:
