@@ -58,6 +58,18 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--linear-backend", choices=["auto", "torch", "triton"], default="auto",
                    help="matmuls of <= 16 rows (small decode steps); auto: triton on CUDA, "
                         "torch (cuBLAS) on CPU and for larger batches")
+    t = p.add_argument_group("parallelism (docs/parallel.md)")
+    t.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, metavar="N",
+                   help="GPUs to split the model over (attention heads, MLPs, vocabulary)")
+    t.add_argument("--expert-parallel-size", "-ep", type=int, default=1, metavar="E",
+                   help="groups the routed experts are split over (E divides N; each expert "
+                        "split over N/E GPUs of its group)")
+    t.add_argument("--nnodes", type=int, default=1, help="nodes of a multi-node run")
+    t.add_argument("--node-rank", type=int, default=0,
+                   help="this node's index (node 0 serves; the others run workers only)")
+    t.add_argument("--master-addr", default="127.0.0.1", help="node 0's address")
+    t.add_argument("--master-port", type=int, default=None,
+                   help="a free port on node 0 (default: any free port; one node only)")
     d = p.add_argument_group("speculative decoding")
     d.add_argument("--draft", default=None,
                    help="DFlash drafter folder or Hub id (published checkpoint format): "
@@ -126,6 +138,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         attention_backend=args.attention_backend, linear_backend=args.linear_backend,
         revision=args.revision, draft_revision=args.draft_revision,
         trust_remote_code=args.trust_remote_code, async_scheduling=args.async_scheduling,
+        tensor_parallel_size=args.tensor_parallel_size,
+        expert_parallel_size=args.expert_parallel_size, nnodes=args.nnodes,
+        node_rank=args.node_rank, master_addr=args.master_addr, master_port=args.master_port,
     )
 
 
@@ -144,8 +159,8 @@ def resolve_model(args: argparse.Namespace) -> str:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from blockspec.engine.llm_engine import LLMEngine
     from blockspec.llm import EngineConfig
+    from blockspec.parallel.driver import make_engine
     from blockspec.sampling_params import SamplingParams
 
     params = SamplingParams(
@@ -153,7 +168,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         seed=args.sample_seed, max_tokens=args.max_tokens, stop=args.stop or None,
         ignore_eos=args.ignore_eos,
     )
-    engine = LLMEngine(EngineConfig(model=resolve_model(args), **engine_kwargs(args)))
+    engine = make_engine(EngineConfig(model=resolve_model(args), **engine_kwargs(args)))
     prompt = args.prompt
     if args.chat:
         if not getattr(engine.tokenizer, "chat_template", None):

@@ -81,6 +81,16 @@ class EngineConfig:
     revision: str | None = None
     draft_revision: str | None = None
     trust_remote_code: bool = False
+    # Parallel layout (docs/parallel.md): attention and MLPs split over tensor_parallel_size
+    # ranks, one per GPU; routed experts over expert_parallel_size groups of them (it divides
+    # tensor_parallel_size). Several nodes: nnodes, this node's node_rank, and the address of
+    # node 0 (master_port None: a free local port, one node only).
+    tensor_parallel_size: int = 1
+    expert_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int | None = None
     # The folders to load, resolved on construction (blockspec/hub): the names themselves when
     # they are local folders (a path that exists wins), else snapshots in the Hugging Face cache.
     model_path: str = field(init=False, default="")
@@ -92,6 +102,7 @@ class EngineConfig:
         self._validate_sizes()
         self._validate_speculation()
         self._validate_synthetic()
+        self._validate_parallel()
         for name, value, allowed in (("attention backend", self.attention_backend,
                                       ("auto", "torch", "triton")),
                                      ("linear backend", self.linear_backend,
@@ -143,6 +154,28 @@ class EngineConfig:
             raise ConfigError("kv cache memory budget must be positive")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
             raise ConfigError("num_kv_blocks must be positive")
+
+    def _validate_parallel(self) -> None:
+        tp, ep = self.tensor_parallel_size, self.expert_parallel_size
+        if tp < 1 or ep < 1:
+            raise ConfigError("tensor_parallel_size and expert_parallel_size must be >= 1")
+        if tp % ep:
+            raise ConfigError(f"expert_parallel_size ({ep}) must divide tensor_parallel_size "
+                              f"({tp})")
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes or tp % self.nnodes:
+            raise ConfigError(f"nnodes ({self.nnodes}) must divide tensor_parallel_size ({tp}) "
+                              f"and node_rank ({self.node_rank}) be in [0, nnodes)")
+        if tp > 1 and ":" in self.device:
+            raise ConfigError(f"tensor parallelism places rank i on GPU i of its node: pass "
+                              f"device 'cuda', not {self.device!r}")
+        if tp > 1 and self.async_scheduling:
+            raise ConfigError("async_scheduling is not supported with tensor parallelism yet")
+        if self.nnodes > 1 and self.master_port is None:
+            raise ConfigError("several nodes need --master-addr and --master-port (node 0's)")
+        if tp > 1 and self.device.startswith("cuda") \
+                and torch.cuda.device_count() < tp // self.nnodes:
+            raise ConfigError(f"tensor_parallel_size {tp} needs {tp // self.nnodes} GPUs per "
+                              f"node; this one has {torch.cuda.device_count()}")
 
     def _validate_synthetic(self) -> None:
         if self.synthetic_acceptance is None:

@@ -13,8 +13,8 @@ from tqdm.auto import tqdm
 from blockspec.chat import render_chat
 from blockspec.config import EngineConfig
 from blockspec.demo import default_pair
-from blockspec.engine.llm_engine import LLMEngine
 from blockspec.outputs import RequestOutput
+from blockspec.parallel.driver import make_engine
 from blockspec.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -36,14 +36,16 @@ class LLM:
     `gpu_memory_utilization`, `enable_prefix_caching`, `seed` (for requests without their own),
     `enforce_eager`, `attention_backend`, `linear_backend`, `tokenizer`,
     `trust_remote_code` (run a tokenizer's own code, e.g. Kimi's tiktoken tokenizer),
-    `load_format` ("dummy": random weights, benchmarks only).
+    `load_format` ("dummy": random weights, benchmarks only), `tensor_parallel_size`,
+    `expert_parallel_size` (several GPUs, docs/parallel.md: call `engine.shutdown()` when done;
+    spawned workers need the `if __name__ == "__main__":` guard in scripts).
     """
 
     def __init__(self, model: str | None = None, **engine_args: Any) -> None:
         model, draft, note = default_pair(model, engine_args.pop("draft", None))
         if note:
             logger.warning(note)
-        self.engine = LLMEngine(EngineConfig(model=model, draft=draft, **engine_args))
+        self.engine = make_engine(EngineConfig(model=model, draft=draft, **engine_args))
         self.tokenizer = self.engine.tokenizer
 
     def chat(

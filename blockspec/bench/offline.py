@@ -31,6 +31,8 @@ from blockspec.bench.stats import RequestRecord, acceptance_from_spec, summarize
 from blockspec.config import ConfigError, EngineConfig
 from blockspec.dflash.metrics import SpecStats
 from blockspec.engine.llm_engine import LLMEngine
+from blockspec.parallel.driver import make_engine
+from blockspec.parallel.launch import layout_label
 from blockspec.sampling_params import SamplingParams
 
 
@@ -126,7 +128,7 @@ def build_engine(args: argparse.Namespace, model: str, kwargs: dict[str, Any]) -
         # NOTE: the labelled benchmark-only mode: drafts are accepted at random, the text is not
         # the target's. EngineConfig refuses it without benchmark_mode.
         kw.update(synthetic_acceptance=args.synthetic_acceptance, benchmark_mode=True)
-    return LLMEngine(EngineConfig(model=model, **kw))
+    return make_engine(EngineConfig(model=model, **kw))
 
 
 def engine_facts(engine: LLMEngine) -> dict[str, Any]:
@@ -138,6 +140,10 @@ def engine_facts(engine: LLMEngine) -> dict[str, Any]:
         "kv_block_size": engine.config.kv_block_size, "max_num_seqs": engine.config.max_num_seqs,
         "spec_block_size": engine.spec_block_size or None,
         "load_format": engine.config.load_format,
+        "parallel": {"tensor_parallel_size": engine.config.tensor_parallel_size,
+                     "expert_parallel_size": engine.config.expert_parallel_size,
+                     "layout": layout_label(engine.config.tensor_parallel_size,
+                                            engine.config.expert_parallel_size) or "1 GPU"},
         "model_shape": {"layers": mc.num_hidden_layers, "hidden": mc.hidden_size,
                         "heads": mc.num_attention_heads, "kv_heads": mc.num_key_value_heads,
                         "vocab": mc.vocab_size},
@@ -172,6 +178,9 @@ def run_offline(args: argparse.Namespace, engine_kwargs: Callable[[argparse.Name
                                         engine.spec_block_lens)
     if synthetic is not None and "synthetic" not in label.lower():
         label += f" [SYNTHETIC acceptance a={synthetic:g}]"
+    layout = layout_label(engine.config.tensor_parallel_size, engine.config.expert_parallel_size)
+    if layout and layout not in label:
+        label = f"{layout} {label}"
     result = new_result("offline", args, label, synthetic)
     result["config"].update(model=model, concurrency_levels=levels, engine=engine_facts(engine))
     if max(levels) > engine.config.max_num_seqs:

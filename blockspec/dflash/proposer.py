@@ -84,7 +84,7 @@ class DFlashProposer:
             hidden = hidden.view(-1, q, hidden.shape[-1])[:, 1:].reshape(-1, hidden.shape[-1])
         else:
             hidden = hidden[rows]
-        return self.target.compute_logits(hidden).argmax(dim=-1)
+        return self.target.greedy_tokens(hidden)
 
     def propose(self, last_tokens: list[int], block_lens: list[int], context_lens: list[int],
                 block_tables: list[list[int]], slots: list[list[int]],

@@ -90,6 +90,9 @@ def cost_key(runner: ModelRunner, config: EngineConfig) -> dict[str, Any]:
                                    if isinstance(m, Linear)),
                context=profile_context(runner), max_model_len=runner.max_model_len,
                torch=torch.__version__, steps=STEP_VERSION)
+    if config.tensor_parallel_size > 1:
+        key.update(tensor_parallel_size=config.tensor_parallel_size,
+                   expert_parallel_size=config.expert_parallel_size)
     return key
 
 
@@ -200,6 +203,15 @@ def measure_costs(runner: ModelRunner, buckets: list[int], ctx: int) -> StepCost
     return StepCostModel(times)
 
 
+def _writes_profiles(config: EngineConfig) -> bool:
+    """One process writes a profile: rank 0 of a parallel group."""
+    if config.tensor_parallel_size == 1:
+        return True
+    from blockspec.parallel.state import get_state
+
+    return get_state().rank == 0
+
+
 def load_or_measure_costs(runner: ModelRunner, config: EngineConfig
                           ) -> tuple[StepCostModel, dict[str, Any]]:
     """The cost model and a record of where it came from (for logs and benchmarks)."""
@@ -212,16 +224,25 @@ def load_or_measure_costs(runner: ModelRunner, config: EngineConfig
         except (ValueError, OSError, TypeError, AttributeError, KeyError) as e:
             print(f"[blockspec] ignoring unreadable cost profile {path}: {e}", file=sys.stderr)
             loaded = None
+        if config.tensor_parallel_size > 1:
+            # NOTE: measuring runs collectives: every rank measures, or none does
+            from blockspec.parallel.state import broadcast_command, every_rank
+
+            loaded = broadcast_command(loaded) if every_rank(loaded is not None) else None
         if loaded is not None:
             info.update(measured=False, seconds=0.0, times=loaded.to_json()["times"])
             print(f"[blockspec] step-cost profile loaded from {path}", file=sys.stderr)
             return loaded, info
     t0 = time.perf_counter()
     model = measure_costs(runner, key["buckets"], key["context"])
+    if config.tensor_parallel_size > 1:  # NOTE: every rank's policy prices by rank 0's times
+        from blockspec.parallel.state import broadcast_command
+
+        model = broadcast_command(model)
     secs = time.perf_counter() - t0
     info.update(measured=True, seconds=secs, times=model.to_json()["times"])
     where = "not saved"
-    if path is not None:
+    if path is not None and _writes_profiles(config):
         try:
             model.save(path, key)
             where = f"saved to {path}"

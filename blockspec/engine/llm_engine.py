@@ -55,10 +55,17 @@ class LLMEngine:
         torch.manual_seed(config.seed)
         self.device = torch.device(config.device)
         self.tokenizer = load_tokenizer(config.tokenizer_path, config.trust_remote_code)
-        self.model = load_model(config.model_path, mc, self.dtype, self.device, config.load_format)
+        kv_config = mc  # the KV cache's view of the model: a tensor-parallel rank's KV heads
+        if config.tensor_parallel_size == 1:
+            self.model = load_model(config.model_path, mc, self.dtype, self.device,
+                                    config.load_format)
+        else:
+            from blockspec.parallel.loading import load_sharded
+
+            self.model, kv_config = load_sharded(config, mc, self.dtype, self.device)
         self.eos_token_ids = eos_token_ids(self.model_config, config.model_path, self.tokenizer)
 
-        per_block = kv_bytes_per_block(mc, config.kv_block_size, self.dtype)
+        per_block = kv_bytes_per_block(kv_config, config.kv_block_size, self.dtype)
         drafter = None
         self.spec_block_size = 0  # the max block: fixed mode's, and the lookahead reserve's
         self.spec_block_lens: list[int] = []  # speculative block lengths the policy may run
@@ -81,6 +88,10 @@ class LLMEngine:
             activation = outside_kv_bytes(config, self.model, mc, drafter, self.max_model_len,
                                           self.spec_block_size, self.spec_block_lens, self.dtype)
         num_blocks = decide_num_blocks(config, per_block, activation)
+        if config.tensor_parallel_size > 1:  # NOTE: every rank's cache holds the same blocks
+            from blockspec.parallel.state import all_min
+
+            num_blocks = all_min(num_blocks, self.device)
         self.block_manager = BlockManager(num_blocks, config.kv_block_size,
                                           config.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
@@ -91,7 +102,7 @@ class LLMEngine:
             # NOTE: +1: the trash block that padded lanes of a graphed step write to.
             proposer = DFlashProposer(drafter, self.model, self.spec_block_size, num_blocks + 1,
                                       config.kv_block_size, self.dtype, self.device)
-        self.runner = ModelRunner(config, mc, self.model, self.block_manager, self.dtype,
+        self.runner = ModelRunner(config, kv_config, self.model, self.block_manager, self.dtype,
                                   self.max_model_len, proposer, self.spec_block_lens)
         self.async_scheduling = config.async_scheduling
         self._pending: PendingDecode | None = None  # the decode step in flight (async)
@@ -248,8 +259,12 @@ class LLMEngine:
         # request whatever the block length. A closed batch decoding plainly finishes all its
         # requests in one step, and that one sample (clipped at a modelled step) would lift
         # plain decode's term for the runs after it.
-        self.runner.observe_step_time(t3 - t0 - self.finish_seconds)
+        self._observe_step_time(t3 - t0 - self.finish_seconds)
         return outputs
+
+    def _observe_step_time(self, seconds: float) -> None:
+        """The step's wall time for the policy (a parallel worker takes rank 0's instead)."""
+        self.runner.observe_step_time(seconds)
 
     def _fail(self, seqs: list[Sequence]) -> list[RequestOutput]:
         """Finish the requests of a step that raised ("error"), freeing their KV blocks.

@@ -8,7 +8,7 @@ from blockspec.outputs import RequestOutput
 # as a RuntimeError (torch >= 2.6: torch.AcceleratorError) whose message names it; after one,
 # every later kernel fails too, so the process must end. An out-of-memory error is not one.
 _FATAL_MARKERS = ("cuda error", "device-side assert", "illegal memory access", "cublas",
-                  "cudnn", "nccl error", "accelerator")
+                  "cudnn", "nccl error", "accelerator", "parallel worker")
 
 
 def is_fatal(error: BaseException) -> bool:

@@ -146,6 +146,13 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden)
 
+    def greedy_tokens(self, hidden: torch.Tensor) -> torch.Tensor:
+        """compute_logits(hidden).argmax(-1); a vocab-parallel head (parallel/layers.py) picks
+        it without gathering the logits."""
+        if hasattr(self.lm_head, "greedy"):
+            return self.lm_head.greedy(hidden)
+        return self.compute_logits(hidden).argmax(dim=-1)
+
     def shard_sizes(self, param: str) -> list[int]:
         """Rows of each checkpoint tensor packed into parameter `param` (a full name)."""
         cfg = self.config

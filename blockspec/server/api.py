@@ -16,6 +16,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from blockspec.config import ConfigError, EngineConfig
 from blockspec.engine.llm_engine import LLMEngine
 from blockspec.outputs import RequestOutput
+from blockspec.parallel.driver import make_engine
 from blockspec.server.async_engine import AsyncEngine
 from blockspec.server.body import MAX_BODY_BYTES, parse_body
 from blockspec.server.errors import APIError, install_error_handlers
@@ -64,7 +65,7 @@ def build_app(engine_or_config: LLMEngine | EngineConfig, served_model_name: str
         raise ConfigError("synthetic acceptance is benchmark-only (its output is not the "
                           "target's): it is never served")
     engine = engine_or_config if isinstance(engine_or_config, LLMEngine) \
-        else LLMEngine(config)
+        else make_engine(config)
     metrics = ServerMetrics(lambda: async_engine.stats)  # NOTE: late-bound, defined next line
     hooks = [metrics.on_finished] + ([RequestLogger().on_finished] if log_requests else [])
     stats_log = StatsLogger(log_stats_interval) if log_stats_interval else None

@@ -52,7 +52,7 @@ def _serve_with_shared_helpers(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace, engine_kwargs: Callable[[argparse.Namespace], dict],
               resolve_model: Callable[[argparse.Namespace], str]) -> int:
-    from blockspec.engine.llm_engine import LLMEngine
+    from blockspec.parallel.driver import make_engine
     from blockspec.server.api import build_app
     from blockspec.server.runner import make_server
 
@@ -66,7 +66,7 @@ def cmd_serve(args: argparse.Namespace, engine_kwargs: Callable[[argparse.Namesp
     if kwargs.pop("synthetic_acceptance", None) is not None:
         raise ConfigError("synthetic acceptance is benchmark-only and cannot be served")
     kwargs.pop("benchmark_mode", None)
-    engine = LLMEngine(EngineConfig(model=model, **kwargs))
+    engine = make_engine(EngineConfig(model=model, **kwargs))
     name = args.served_model_name or served_name(model)
     app = build_app(engine, name, api_key=args.api_key,
                     log_requests=not args.disable_log_requests,
