@@ -78,17 +78,20 @@ class GroupExperts(nn.Module):
     groups' experts weigh zero here: they are summed in by the MoE block's all-reduce.
     NOTE: dispatch by all-reduce: every rank sees every token (simple, graph-capturable)."""
 
-    def __init__(self, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, first: int) -> None:
+    def __init__(self, gate_up_proj: torch.Tensor, down_proj: torch.Tensor, first: int,
+                 num_experts: int) -> None:
         super().__init__()
         self.gate_up_proj = nn.Parameter(gate_up_proj, requires_grad=False)
         self.down_proj = nn.Parameter(down_proj, requires_grad=False)
-        self.first = first
+        self.first, self.num_experts = first, num_experts
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                backend: str) -> torch.Tensor:
+                backend: str, stats: torch.Tensor) -> torch.Tensor:
+        """Experts.forward's call; `stats` counts the distinct experts of all groups."""
         from blockspec.layers.fused_moe import fused_experts
-        from blockspec.layers.moe import experts_reference
+        from blockspec.layers.moe import count_experts, experts_reference
 
+        count_experts(ids, self.num_experts, stats)
         local = ids - self.first
         mine = (local >= 0) & (local < self.gate_up_proj.shape[0])
         local = torch.where(mine, local, torch.zeros_like(local))

@@ -116,7 +116,7 @@ def _shard_experts(moe: MoE, ps: ParallelState) -> None:
     gate_up = ex.gate_up_proj.data[first:first + e]
     gate_up = _rows(gate_up, [(t * i, (t + 1) * i), (full + t * i, full + (t + 1) * i)], 1)
     down = ex.down_proj.data[first:first + e, :, t * i:(t + 1) * i].contiguous()
-    moe.experts = GroupExperts(gate_up, down, first)
+    moe.experts = GroupExperts(gate_up, down, first, moe.moe.num_experts)
     if moe.shared_experts is not None:
         _shard_mlp(moe.shared_experts, ps.rank, ps.world_size)
 
