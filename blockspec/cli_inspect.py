@@ -20,8 +20,7 @@ def add_inspect_parser(sub: Any) -> None:
     p.add_argument("model", help="HF model folder (config.json; safetensors optional)")
     p.add_argument("--draft", default=None, help="DFlash drafter folder (config.json)")
     p.add_argument("-tp", "--tensor-parallel-size", type=int, default=1, dest="tp",
-                   help="GPUs per model replica (the parallel engine is still to come: this "
-                        "is the plan it will need)")
+                   help="GPUs per model replica, as serve's -tp")
     p.add_argument("-ep", "--expert-parallel-size", type=int, default=1, dest="ep",
                    help="expert groups the routed experts are split into (divides TP)")
     p.add_argument("--gpu-memory-gib", type=float, default=141.0,
