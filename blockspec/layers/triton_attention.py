@@ -27,6 +27,7 @@ from blockspec.layers.attention_splits import (
     split_limits,
 )
 from blockspec.layers.triton_attention_tiles import (
+    _key_slots,
     _merge_kernel,
     _program_tile,
     _query_rows,
@@ -79,11 +80,8 @@ def _attn_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr,
     acc = tl.zeros([BLOCK_M, D_PAD], tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     for start in range(lo, hi, BLOCK_N):
-        pos = start + tl.arange(0, BLOCK_N)
-        kv_ok = pos < hi
-        # NOTE: masked-off keys are never loaded, so unwritten cache slots may hold anything.
-        block = tl.load(table + pos // BLOCK_SIZE, mask=kv_ok, other=0).to(tl.int64)
-        kv_off = block * stride_cb + (pos % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
+        pos, kv_ok, block, offset = _key_slots(table, start, hi, BLOCK_N, BLOCK_SIZE)
+        kv_off = block * stride_cb + offset * stride_cs + kv_head * stride_ch
         k = tl.load(k_cache_ptr + kv_off[None, :] + d[:, None],
                     mask=kv_ok[None, :] & d_ok[:, None], other=0.0)
         s = tl.dot(q, k.to(DOT_DTYPE), input_precision=DOT_PRECISION) * qk_scale

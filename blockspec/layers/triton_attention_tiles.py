@@ -64,6 +64,17 @@ def _split_keys(seq_len, q_len, q_tile, split, BLOCK_Q: tl.constexpr, BLOCK_N: t
     return lo, tl.minimum(lo + chunk, kv_end), kv_end
 
 
+@triton.jit
+def _key_slots(table, start, hi, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """The key tile at `start`: (positions, which are below `hi`, each key's cache block id from
+    the block table, its offset in that block). NOTE: masked-off keys are never loaded, so
+    unwritten cache slots may hold anything."""
+    pos = start + tl.arange(0, BLOCK_N)
+    kv_ok = pos < hi
+    block = tl.load(table + pos // BLOCK_SIZE, mask=kv_ok, other=0).to(tl.int64)
+    return pos, kv_ok, block, pos % BLOCK_SIZE
+
+
 # NOTE: the block table's row stride is the batch's widest table in eager steps, so it changes
 # step to step; specialising on its value (== 1, divisible by 16) would compile new variants
 # mid-serving (~1 s each on an H200) for a scalar gather that gains nothing from them.

@@ -32,6 +32,7 @@ from blockspec.layers.attention_splits import (
     split_limits,
 )
 from blockspec.layers.triton_attention_tiles import (
+    _key_slots,
     _merge_kernel,
     _program_tile,
     _query_rows,
@@ -102,11 +103,8 @@ def _mla_kernel(q_ptr, cache_ptr, out_ptr, part_ptr, lse_ptr,
     acc = tl.zeros([BLOCK_M, KV_RANK], tl.float32)
     table = block_tables_ptr + seq.to(tl.int64) * stride_bt
     for start in range(lo, hi, BLOCK_N):
-        pos = start + tl.arange(0, BLOCK_N)
-        kv_ok = pos < hi
-        # NOTE: masked-off keys are never loaded, so unwritten cache slots may hold anything.
-        block = tl.load(table + pos // BLOCK_SIZE, mask=kv_ok, other=0).to(tl.int64)
-        latent = cache_ptr + (block * stride_cb + (pos % BLOCK_SIZE) * stride_cs)[:, None]
+        pos, kv_ok, block, offset = _key_slots(table, start, hi, BLOCK_N, BLOCK_SIZE)
+        latent = cache_ptr + (block * stride_cb + offset * stride_cs)[:, None]
         c = tl.load(latent + dc[None, :], mask=kv_ok[:, None], other=0.0).to(DOT_DTYPE)
         r = tl.load(latent + KV_RANK + dr[None, :], mask=kv_ok[:, None] & (dr < ROPE_DIM)[None, :],
                     other=0.0).to(DOT_DTYPE)
