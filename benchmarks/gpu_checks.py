@@ -16,7 +16,6 @@ Usage: python benchmarks/gpu_checks.py [--out FILE]
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import sys
 import tempfile
@@ -25,7 +24,7 @@ from pathlib import Path
 import torch
 
 from blockspec import LLM, SamplingParams
-from blockspec.bench.common import git_commit, recorded_command
+from blockspec.bench.check_runner import check_report, run_checks
 from blockspec.dflash.checkpoint import build_random_drafter
 from blockspec.layers import fused, linear
 from blockspec.layers.attention import AttentionMetadata, TorchAttentionBackend
@@ -143,6 +142,27 @@ def check_fused(report: dict) -> None:
     assert all(e < 1e-2 for e in errs.values())
 
 
+def random_prompts(n: int, max_len: int, seed: int) -> list[list[int]]:
+    """`n` random token-id prompts of 3 to `max_len` tokens."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, 500, (int(k),), generator=g).tolist()
+            for k in torch.randint(3, max_len, (n,), generator=g)]
+
+
+def run_variants(target: Path, prompts: list, params: list, kw: dict, report: dict, key: str,
+                 variants: tuple) -> dict[str, list]:
+    """Each (name, engine args) variant's greedy tokens; its steps by path into the report;
+    every KV block back in the pool after its run."""
+    runs = {}
+    for name, extra in variants:
+        llm = LLM(str(target), **{**kw, **extra})
+        runs[name] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        report[f"{key}_{name}_steps_by_path"] = dict(llm.engine.runner.path_steps)
+        assert llm.engine.block_manager.num_used_blocks == 0, f"{name}: leaked blocks"
+        del llm
+    return runs
+
+
 def compare_with_hf(target: Path, prompts: list, params: list, runs: dict, report: dict,
                     key: str, label: str, first_mismatch: bool = False) -> None:
     """Each run's greedy tokens == HF `generate` on the same folder (fp32, on the GPU)."""
@@ -167,37 +187,26 @@ def compare_with_hf(target: Path, prompts: list, params: list, runs: dict, repor
 def check_engine(tmp: Path, report: dict) -> None:
     target = build_tiny_model(tmp / "qwen3", arch="qwen3")
     drafter = build_random_drafter(tmp / "drafter", target, num_layers=2, block_size=8)
-    g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(1, 500, (int(n),), generator=g).tolist()
-               for n in torch.randint(3, 200, (13,), generator=g)]
+    prompts = random_prompts(13, 200, seed=3)
     # Different max_tokens: requests finish mid-batch and the batch shrinks across buckets.
     params = [SamplingParams(temperature=0, max_tokens=8 + 5 * i, ignore_eos=True)
               for i in range(13)]
     kw = dict(device="cuda", dtype="float32", num_kv_blocks=512, max_num_seqs=16)
-    runs = {}
     # NOTE: max_num_seqs 4: requests arrive as others finish, so steps mix prefills with
     # decodes (one flat-step graph replay, or one eager forward).
-    for name, extra in (("graphs", {}), ("graphs_async", {"async_scheduling": True}),
-                        ("eager", {"enforce_eager": True}),
-                        ("torch_backend_eager", {"enforce_eager": True,
-                                                 "attention_backend": "torch"}),
-                        ("dflash_graphs", {"draft": str(drafter)}),
-                        ("dflash_eager", {"draft": str(drafter), "enforce_eager": True}),
-                        ("graphs_c4", {"max_num_seqs": 4}),
-                        ("graphs_c4_eager_mixed", {"max_num_seqs": 4,
-                                                   "graph_mixed_steps": False}),
-                        ("dflash_graphs_c4", {"draft": str(drafter), "max_num_seqs": 4}),
-                        ("dflash_fixed_graphs_c4", {"draft": str(drafter), "max_num_seqs": 4,
-                                                    "speculation_policy": "fixed"}),
-                        ("dflash_graphs_c4_eager_mixed", {"draft": str(drafter),
-                                                          "max_num_seqs": 4,
-                                                          "graph_mixed_steps": False})):
-        llm = LLM(str(target), **{**kw, **extra})
-        runs[name] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        report[f"engine_{name}_steps_by_path"] = dict(llm.engine.runner.path_steps)
-        bm = llm.engine.block_manager
-        assert bm.num_used_blocks == 0, f"{name}: leaked blocks"
-        del llm
+    runs = run_variants(target, prompts, params, kw, report, "engine", (
+        ("graphs", {}), ("graphs_async", {"async_scheduling": True}),
+        ("eager", {"enforce_eager": True}),
+        ("torch_backend_eager", {"enforce_eager": True, "attention_backend": "torch"}),
+        ("dflash_graphs", {"draft": str(drafter)}),
+        ("dflash_eager", {"draft": str(drafter), "enforce_eager": True}),
+        ("graphs_c4", {"max_num_seqs": 4}),
+        ("graphs_c4_eager_mixed", {"max_num_seqs": 4, "graph_mixed_steps": False}),
+        ("dflash_graphs_c4", {"draft": str(drafter), "max_num_seqs": 4}),
+        ("dflash_fixed_graphs_c4", {"draft": str(drafter), "max_num_seqs": 4,
+                                    "speculation_policy": "fixed"}),
+        ("dflash_graphs_c4_eager_mixed", {"draft": str(drafter), "max_num_seqs": 4,
+                                          "graph_mixed_steps": False})))
     assert report["engine_dflash_graphs_c4_steps_by_path"].get("flat", 0) > 0
     assert report["engine_dflash_fixed_graphs_c4_steps_by_path"].get("flat", 0) > 0
     compare_with_hf(target, prompts, params, runs, report, "engine", "tiny qwen3")
@@ -210,23 +219,17 @@ def check_engine_deepseek(tmp: Path, report: dict) -> None:
 
     target = build_tiny_deepseek_v3(tmp / "dsv3", q_lora_rank=24, n_group=4, topk_group=2)
     drafter = build_random_drafter(tmp / "ds_drafter", target, num_layers=2, block_size=8)
-    g = torch.Generator().manual_seed(4)
-    prompts = [torch.randint(1, 500, (int(n),), generator=g).tolist()
-               for n in torch.randint(3, 120, (9,), generator=g)]
+    prompts = random_prompts(9, 120, seed=4)
     params = [SamplingParams(temperature=0, max_tokens=8 + 4 * i, ignore_eos=True)
               for i in range(9)]
     kw = dict(device="cuda", dtype="float32", num_kv_blocks=256, max_num_seqs=4)
-    runs = {}
     # NOTE: graphs by default (the MLA kernel, the grouped-GEMM experts); the torch experts
     # read the router on the host and run eagerly.
-    for name, extra in (("ar", {}), ("ar_eager", {"enforce_eager": True}),
-                        ("ar_torch_experts", {"linear_backend": "torch"}),
-                        ("dflash", {"draft": str(drafter)}),
-                        ("dflash_eager", {"draft": str(drafter), "enforce_eager": True})):
-        llm = LLM(str(target), **{**kw, **extra})
-        runs[name] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
-        report[f"deepseek_{name}_steps_by_path"] = dict(llm.engine.runner.path_steps)
-        del llm
+    runs = run_variants(target, prompts, params, kw, report, "deepseek", (
+        ("ar", {}), ("ar_eager", {"enforce_eager": True}),
+        ("ar_torch_experts", {"linear_backend": "torch"}),
+        ("dflash", {"draft": str(drafter)}),
+        ("dflash_eager", {"draft": str(drafter), "enforce_eager": True})))
     compare_with_hf(target, prompts, params, runs, report, "deepseek", "tiny deepseek_v3",
                     first_mismatch=True)
 
@@ -294,26 +297,13 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="gpu_checks.json")
     args = ap.parse_args()
-    report: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                    "command": recorded_command("benchmarks/gpu_checks.py"),
-                    "date": datetime.datetime.now(datetime.timezone.utc).isoformat(
-                        timespec="seconds"), "commit": git_commit()}
-    ok = True
-    for check in (check_attention, check_mla, check_fused, check_linear, check_fused_moe):
-        try:
-            check(report)
-        except Exception as e:  # keep going: report every failing check
-            ok = False
-            report[f"{check.__name__}_error"] = repr(e)
-            print(f"FAILED {check.__name__}: {e!r}")
+    report = check_report("benchmarks/gpu_checks.py")
+    checks = {c.__name__: (lambda c=c: c(report)) for c in (
+        check_attention, check_mla, check_fused, check_linear, check_fused_moe)}
     with tempfile.TemporaryDirectory() as d:
-        for check in (check_engine, check_engine_deepseek):
-            try:
-                check(Path(d), report)
-            except Exception as e:
-                ok = False
-                report[f"{check.__name__}_error"] = repr(e)
-                print(f"FAILED {check.__name__}: {e!r}")
+        checks.update({c.__name__: (lambda c=c: c(Path(d), report))
+                       for c in (check_engine, check_engine_deepseek)})
+        ok = run_checks(checks, report)
     report["all_passed"] = ok
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     return 0 if ok else 1

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from blockspec.bench.common import git_commit, recorded_command
+from blockspec.bench.check_runner import check_report, run_checks
 from blockspec.layers.moe import experts_reference, select_experts
 from blockspec.layers.quant_dequant import DequantizedExperts, QuantWeight, dequantize
 from blockspec.layers.quant_gemm import fused_experts_quant, quant_linear
@@ -98,19 +98,11 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="quant_gpu_checks.json")
     args = ap.parse_args()
-    report: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                    "command": recorded_command("benchmarks/quant_gpu_checks.py"),
-                    "commit": git_commit()}
-    ok = True
-    checks = [lambda r: check_experts("int4", 384, r), lambda r: check_experts("fp8", 256, r),
-              lambda r: check_dense("int4", r), lambda r: check_dense("fp8", r)]
-    for i, check in enumerate(checks):
-        try:
-            check(report)
-        except Exception as e:  # keep going: report every failing check
-            ok = False
-            report[f"check_{i}_error"] = repr(e)
-            print(f"FAILED check {i}: {e!r}")
+    report = check_report("benchmarks/quant_gpu_checks.py")
+    ok = run_checks({"check_0": lambda: check_experts("int4", 384, report),
+                     "check_1": lambda: check_experts("fp8", 256, report),
+                     "check_2": lambda: check_dense("int4", report),
+                     "check_3": lambda: check_dense("fp8", report)}, report)
     report["all_passed"] = ok
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     return 0 if ok else 1

@@ -547,3 +547,16 @@ def test_recorded_command_lines_carry_no_secrets(monkeypatch):
     recorded = json.dumps([environment(), args_config(argparse.Namespace(
         api_key="k1", label="run env-secret-1"))])
     assert not any(s in recorded for s in ("k1", "k2", "env-secret-1"))
+
+
+def test_check_runner_keeps_going_and_names_failures():
+    from blockspec.bench.check_runner import run_checks
+
+    ran, report = [], {}
+
+    def bad():
+        raise ValueError("boom")
+
+    assert run_checks({"first": bad, "second": lambda: ran.append(2)}, report) is False
+    assert ran == [2] and report == {"first_error": "ValueError('boom')"}
+    assert run_checks({"only": lambda: None}, {}) is True
