@@ -77,6 +77,19 @@ def qwen3_sharded_path(models_root, qwen3_path) -> Path:
     return out
 
 
+@pytest.fixture(scope="session")
+def deepseek_pair(models_root) -> tuple[Path, Path]:
+    """A tiny DeepSeek-V3 target (q_lora, 4 expert groups) written by HF transformers, and a
+    random 2-layer DFlash drafter (block 8) for it. NOTE: tests copy it before changing it."""
+    from blockspec.dflash.checkpoint import build_random_drafter
+    from blockspec.tiny import build_tiny_deepseek_v3
+
+    target = build_tiny_deepseek_v3(models_root / "deepseek-v3", q_lora_rank=24, n_group=4,
+                                    topk_group=2, seed=3)
+    return target, build_random_drafter(models_root / "deepseek-v3-drafter", target,
+                                        num_layers=2, block_size=8)
+
+
 @pytest.fixture(scope="session", params=["qwen3", "llama"])
 def arch_path(request) -> Path:
     """Each supported architecture in turn."""

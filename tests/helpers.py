@@ -140,3 +140,16 @@ def count_block_len_steps(llm) -> tuple[dict, dict]:
 
     llm.engine.runner.execute = counting
     return engine_steps, per_req
+
+
+class NanEmptyTorch:
+    """`torch` for a kernel module, except that `empty` fills floats with NaN: a partial result
+    a merge reads but no split wrote shows up (monkeypatch it over the module's `torch`)."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def empty(*args, **kw):
+        t = torch.empty(*args, **kw)
+        return t.fill_(float("nan")) if t.is_floating_point() else t

@@ -123,22 +123,12 @@ def test_greedy_generation_matches_hf_generate(ds_path, hf):
     assert got == ref
 
 
-@pytest.fixture(scope="module")
-def moe_pair(tmp_path_factory) -> tuple[Path, Path]:
-    from blockspec.dflash.checkpoint import build_random_drafter
-
-    root = tmp_path_factory.mktemp("moe_pair")
-    target = build_tiny_deepseek_v3(root / "target", q_lora_rank=24, n_group=4, topk_group=2,
-                                    seed=3)
-    return target, build_random_drafter(root / "drafter", target, num_layers=2, block_size=8)
-
-
-def test_dflash_greedy_equals_autoregressive_on_the_moe_target(moe_pair):
+def test_dflash_greedy_equals_autoregressive_on_the_moe_target(deepseek_pair):
     """Blocks of 2, 4 and 8 verified over the latent cache, with preemption (a cache of 9
     blocks), chunked prefills beside decodes and prefix-cache hits (a shared prompt head)."""
     from helpers import force_block_lens
 
-    target, drafter = moe_pair
+    target, drafter = deepseek_pair
     shared = prompt(40)
     prompts = [shared + prompt(n, seed=n) for n in (3, 17, 30)] + [prompt(9, 9), prompt(55, 5)]
     params = [SamplingParams(temperature=0, max_tokens=10 + 7 * i, ignore_eos=True)
@@ -176,8 +166,8 @@ def kimi_k25_copy(src: Path, dst: Path) -> Path:
     return dst
 
 
-def test_kimi_k25_wrapper_generates_the_same_tokens(moe_pair, tmp_path, caplog):
-    target = moe_pair[0]
+def test_kimi_k25_wrapper_generates_the_same_tokens(deepseek_pair, tmp_path, caplog):
+    target = deepseek_pair[0]
     wrapped = kimi_k25_copy(target, tmp_path / "kimi")
     cfg = ModelConfig.from_pretrained(wrapped)
     assert cfg.model_type == "deepseek_v3" and cfg.checkpoint_prefix == "language_model."
@@ -192,14 +182,14 @@ def test_kimi_k25_wrapper_generates_the_same_tokens(moe_pair, tmp_path, caplog):
     assert got == ref
 
 
-def test_multi_token_prediction_layers_are_skipped(moe_pair, tmp_path):
+def test_multi_token_prediction_layers_are_skipped(deepseek_pair, tmp_path):
     """DeepSeek-V3 stores its MTP module as layer num_hidden_layers: skipped, not served; a
     layer past it is still an unexpected weight."""
     import shutil
 
     from blockspec.errors import ConfigError
 
-    target = moe_pair[0]
+    target = deepseek_pair[0]
     for extra, ok in ((0, True), (1, False)):
         dst = tmp_path / f"mtp{extra}"
         shutil.copytree(target, dst)
@@ -218,12 +208,12 @@ def test_multi_token_prediction_layers_are_skipped(moe_pair, tmp_path):
                 load_model(dst, cfg, torch.float32, "cpu")
 
 
-def test_unserved_quantization_is_refused_by_name(moe_pair, tmp_path):
+def test_unserved_quantization_is_refused_by_name(deepseek_pair, tmp_path):
     """compressed-tensors W4A16 and FP8 blocks are served (tests/test_quant_models.py); other
     methods are refused with what is supported."""
     from blockspec.errors import ConfigError
 
-    wrapped = kimi_k25_copy(moe_pair[0], tmp_path / "kimi")
+    wrapped = kimi_k25_copy(deepseek_pair[0], tmp_path / "kimi")
     raw = json.loads((wrapped / "config.json").read_text())
     for quant, message in (({"quant_method": "gptq", "bits": 4}, "'gptq' is not supported"),
                            ({"quant_method": "compressed-tensors"}, "without config_groups")):
@@ -233,12 +223,12 @@ def test_unserved_quantization_is_refused_by_name(moe_pair, tmp_path):
             ModelConfig.from_pretrained(wrapped)
 
 
-def test_distinct_experts_per_layer_forward_are_counted(moe_pair):
+def test_distinct_experts_per_layer_forward_are_counted(deepseek_pair):
     """/metrics' blockspec_moe_experts_selected / _layer_forwards: every MoE layer forward of
     every step counted once, a one-token forward selects top_k = 2 experts, a prefill more."""
     from blockspec.server.engine_stats import EngineStats
 
-    target = moe_pair[0]
+    target = deepseek_pair[0]
     llm = LLM(str(target), device="cpu", num_kv_blocks=32)
     llm.generate([prompt(30, 7)], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     stats = EngineStats.of(llm.engine)
@@ -250,10 +240,10 @@ def test_distinct_experts_per_layer_forward_are_counted(moe_pair):
         <= 2 * stats.moe_layer_forwards + moe_layers * (cfg.moe.num_experts - 2)
 
 
-def test_generate_verbose_prints_experts_per_layer_forward(moe_pair, capsys):
+def test_generate_verbose_prints_experts_per_layer_forward(deepseek_pair, capsys):
     from blockspec.cli import main
 
-    assert main(["generate", "--model", str(moe_pair[0]), "--draft", "none", "--device", "cpu",
+    assert main(["generate", "--model", str(deepseek_pair[0]), "--draft", "none", "--device", "cpu",
                  "--prompt", "def f(x):", "--max-tokens", "4", "--num-kv-blocks", "32",
                  "--verbose"]) == 0
     err = capsys.readouterr().err
@@ -262,7 +252,7 @@ def test_generate_verbose_prints_experts_per_layer_forward(moe_pair, capsys):
     assert 2.0 <= per_forward <= 8.0 and "(of 8; top-2 per token)" in line
 
 
-def test_mla_target_attention_runs_the_mla_kernel(moe_pair):
+def test_mla_target_attention_runs_the_mla_kernel(deepseek_pair):
     """With the Triton attention backend an MLA target's layers run the MLA kernel (the generic
     one cannot hold a 576-wide latent for 64+ heads on a GPU), the drafter the generic one; the
     tokens are those of the torch backend (interpreted here)."""
@@ -272,8 +262,8 @@ def test_mla_target_attention_runs_the_mla_kernel(moe_pair):
     prompts = [prompt(21, 3), prompt(9, 4)]
     toks = {}
     for backend in ("torch", "triton"):
-        llm = LLM(str(moe_pair[0]), device="cpu", attention_backend=backend, num_kv_blocks=16,
-                  draft=str(moe_pair[1]), speculation_policy="fixed")
+        llm = LLM(str(deepseek_pair[0]), device="cpu", attention_backend=backend, num_kv_blocks=16,
+                  draft=str(deepseek_pair[1]), speculation_policy="fixed")
         toks[backend] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     names = {m.backend.name for m in llm.engine.model.modules() if isinstance(m, PagedAttention)}
     drafter = llm.engine.runner.proposer.drafter

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from blockspec import LLM, SamplingParams
 from blockspec.config import ConfigError, EngineConfig
 from blockspec.engine.llm_engine import LLMEngine
-from blockspec.tiny import build_tiny_deepseek_v3, build_tiny_model
+from blockspec.tiny import build_tiny_model
 
 PROMPTS = [list(range(1, 30)), [7, 8, 9], [5] * 11]
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -35,18 +35,8 @@ def parallel_tokens(path: Path, **kw) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def ds_pair(tmp_path_factory) -> tuple[Path, Path]:
-    from blockspec.dflash.checkpoint import build_random_drafter
-
-    root = tmp_path_factory.mktemp("tp_ds")
-    target = build_tiny_deepseek_v3(root / "target", q_lora_rank=24, n_group=4, topk_group=2,
-                                    seed=3)
-    return target, build_random_drafter(root / "drafter", target, num_layers=2, block_size=8)
-
-
-@pytest.fixture(scope="module")
-def ds_ref(ds_pair) -> list[list[int]]:
-    return tokens(LLM(str(ds_pair[0]), **KW))
+def ds_ref(deepseek_pair) -> list[list[int]]:
+    return tokens(LLM(str(deepseek_pair[0]), **KW))
 
 
 def test_tp1_is_the_single_process_engine(qwen3_path):
@@ -81,17 +71,17 @@ def test_tp2_qwen3_greedy_equals_one_process(tmp_path, kv_heads, tied):
 
 
 @pytest.mark.parametrize("ep", [1, 2])
-def test_tp2_deepseek_v3_greedy_equals_one_process(ds_pair, ds_ref, ep):
+def test_tp2_deepseek_v3_greedy_equals_one_process(deepseek_pair, ds_ref, ep):
     """MLA query heads split; every expert split over 2 ranks (EP 1) or whole on one (EP 2)."""
-    assert parallel_tokens(ds_pair[0], tensor_parallel_size=2, expert_parallel_size=ep) \
+    assert parallel_tokens(deepseek_pair[0], tensor_parallel_size=2, expert_parallel_size=ep) \
         == ds_ref
 
 
 @pytest.mark.parametrize("policy", ["fixed", "adaptive"])
-def test_tp2_dflash_greedy_equals_autoregressive(ds_pair, ds_ref, policy):
+def test_tp2_dflash_greedy_equals_autoregressive(deepseek_pair, ds_ref, policy):
     """Fixed blocks of 8; the adaptive policy prices steps by rank 0's cost profile and step
     times on every rank (else the ranks would plan different steps and hang)."""
-    target, drafter = ds_pair
+    target, drafter = deepseek_pair
     llm = LLM(str(target), **KW, tensor_parallel_size=2, draft=str(drafter),
               speculation_policy=policy, cost_profile="none")
     try:

@@ -22,7 +22,7 @@ import pytest  # noqa: E402
 pytest.importorskip("triton", minversion="3.7" if DEVICE == "cpu" else None)
 
 import triton.language as tl  # noqa: E402
-from helpers import run_file_with_triton_interpreter  # noqa: E402
+from helpers import NanEmptyTorch, run_file_with_triton_interpreter  # noqa: E402
 
 import blockspec.layers.attention_splits as sp  # noqa: E402
 import blockspec.layers.triton_attention as ta  # noqa: E402
@@ -119,26 +119,13 @@ def test_split_kv(splits, causal):
     check(backend, *make_case(q_lens, seq_lens, 8, 2, 64, causal=causal, seed=4))
 
 
-class _NanEmpty:
-    """`torch` for the backend module, except that `empty` fills floats with NaN: a partial
-    result the merge reads but no split wrote shows up."""
-
-    def __getattr__(self, name):
-        return getattr(torch, name)
-
-    @staticmethod
-    def empty(*args, **kw):
-        t = torch.empty(*args, **kw)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-
 @needs_triton
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("splits,split_keys", [(32, 16), (32, None), (8, 64)])
 def test_split_kv_skips_splits_past_the_context(monkeypatch, splits, split_keys, causal):
     """A launch with more splits than a short context fills (graphs size it from max_seq_len):
     each split gets >= split_keys keys, the rest write nothing, the merge reads only those."""
-    monkeypatch.setattr(ta, "torch", _NanEmpty())
+    monkeypatch.setattr(ta, "torch", NanEmptyTorch())
     backend = TritonAttentionBackend(block_n=16, num_splits=splits, split_keys=split_keys)
     q_lens, seq_lens = [1, 16, 3, 1, 2], [300, 150, 5, 64, 97]
     check(backend, *make_case(q_lens, seq_lens, 8, 2, 64, causal=causal, seed=5))

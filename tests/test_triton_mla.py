@@ -19,7 +19,7 @@ import pytest  # noqa: E402
 pytest.importorskip("triton", minversion="3.7" if DEVICE == "cpu" else None)
 
 import triton.language as tl  # noqa: E402
-from helpers import run_file_with_triton_interpreter  # noqa: E402
+from helpers import NanEmptyTorch, run_file_with_triton_interpreter  # noqa: E402
 
 import blockspec.layers.triton_mla as mla  # noqa: E402
 from blockspec.layers.attention import AttentionMetadata, TorchAttentionBackend  # noqa: E402
@@ -119,25 +119,12 @@ def test_other_block_sizes(block_size):
                                                           seed=4))
 
 
-class _NanEmpty:
-    """`torch` for the backend module, except that `empty` fills floats with NaN: a partial
-    result the merge reads but no split wrote shows up."""
-
-    def __getattr__(self, name):
-        return getattr(torch, name)
-
-    @staticmethod
-    def empty(*args, **kw):
-        t = torch.empty(*args, **kw)
-        return t.fill_(float("nan")) if t.is_floating_point() else t
-
-
 @needs_triton
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("splits,split_keys", [(2, None), (4, 16), (16, 16)])
 def test_split_kv(monkeypatch, splits, split_keys, causal):
     """Forced splits, including splits that get no keys (seq_len 5, a 16-way split of 97)."""
-    monkeypatch.setattr(mla, "torch", _NanEmpty())
+    monkeypatch.setattr(mla, "torch", NanEmptyTorch())
     backend = TritonMLABackend(kv_lora_rank=RANK, num_splits=splits, split_keys=split_keys)
     check(backend, *make_case([1, 16, 3, 1, 2], [300, 150, 5, 64, 97], 16, causal=causal,
                               seed=5))
