@@ -7,6 +7,8 @@ quantized model runs on a GPU:
    replayed on new routing.
 2. Dense layers (MLA's q_b_proj, o_proj shapes) through quant_linear == F.linear over the
    dequantized weight, at 1, 16 and 300 rows.
+3. `--tune`: the routed experts' time (CUDA-graph replay) and bytes/s at 1, 8 and 64 tokens for
+   each tile shape in TUNE_TILES, and the bf16 grouped GEMMs' at the same shape and routing.
 
 Usage: python benchmarks/quant_gpu_checks.py [--out FILE]
 """
@@ -22,11 +24,16 @@ import torch
 import torch.nn.functional as F
 
 from blockspec.bench.check_runner import check_report, run_checks
+from blockspec.bench.gpu_timing import graph_ms
+from blockspec.layers.fused_moe import fused_experts
 from blockspec.layers.moe import experts_reference, select_experts
 from blockspec.layers.quant_dequant import DequantizedExperts, QuantWeight, dequantize
-from blockspec.layers.quant_gemm import fused_experts_quant, quant_linear
+from blockspec.layers.quant_gemm import Tiles, fused_experts_quant, quant_linear
 
 H, INTER, TOP_K = 7168, 2048, 8
+TUNE_TILES = [Tiles(n, k, w) for n, k, w in ((32, 128, 4), (64, 64, 4), (64, 128, 4),
+                                              (64, 256, 4), (64, 256, 8), (128, 128, 4),
+                                              (128, 128, 8), (128, 256, 8))]
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -94,15 +101,60 @@ def check_dense(fmt: str, report: dict) -> None:
     assert all(v < 2e-2 for v in errs.values())
 
 
+def weight_bytes(w: QuantWeight) -> int:
+    return w.data.numel() * w.data.element_size() + w.scale.numel() * w.scale.element_size()
+
+
+def tune(fmt: str, num_experts: int, report: dict) -> None:
+    g = torch.Generator(device="cuda").manual_seed(5)
+    gate_up = random_weight(fmt, (num_experts, 2 * INTER), H, g)
+    down = random_weight(fmt, (num_experts, H), INTER, g)
+    per_expert = (weight_bytes(gate_up) + weight_bytes(down)) / num_experts
+    bf16 = (torch.randn(num_experts, 2 * INTER, H, device="cuda", dtype=torch.bfloat16),
+            torch.randn(num_experts, H, INTER, device="cuda", dtype=torch.bfloat16))
+    rows = []
+    for t in (1, 8, 64):
+        x = torch.randn(t, H, device="cuda", dtype=torch.bfloat16, generator=g)
+        w, ids = select_experts(torch.randn(t, num_experts, device="cuda", generator=g), None,
+                                TOP_K, 1, 1, True, 1.0)
+        w = w.to(x.dtype)
+        distinct = ids.unique().numel()
+        row = {"tokens": t, "experts": distinct,
+               "bf16_ms": graph_ms(lambda x=x, w=w, ids=ids, ref=bf16: fused_experts(x, w, ids,
+                                                                                    *ref))}
+        for tiles in TUNE_TILES:
+            name = f"{tiles.block_n}x{tiles.block_k}w{tiles.num_warps}"
+            try:
+                ms = graph_ms(lambda x=x, w=w, ids=ids, tiles=tiles: fused_experts_quant(
+                    x, w, ids, gate_up, down, tiles=tiles))
+            except Exception as e:  # noqa: BLE001 - e.g. out of shared memory: not a choice
+                row[name] = {"error": repr(e)[:200]}
+                continue
+            row[name] = {"ms": ms, "GBps": distinct * per_expert / (ms * 1e-3) / 1e9}
+        rows.append(row)
+        best = min((k for k, v in row.items() if isinstance(v, dict) and "ms" in v),
+                   key=lambda k: row[k]["ms"])
+        print(f"{fmt} experts, {t} tokens ({distinct} experts): bf16 {row['bf16_ms']:.3f} ms; "
+              f"best {best} {row[best]['ms']:.3f} ms ({row[best]['GBps']:.0f} GB/s)", flush=True)
+    report[f"{fmt}_experts_tiles"] = rows
+    del bf16
+    torch.cuda.empty_cache()
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="quant_gpu_checks.json")
+    ap.add_argument("--tune", action="store_true", help="also time the experts' tile shapes")
     args = ap.parse_args()
     report = check_report("benchmarks/quant_gpu_checks.py")
-    ok = run_checks({"check_0": lambda: check_experts("int4", 384, report),
-                     "check_1": lambda: check_experts("fp8", 256, report),
-                     "check_2": lambda: check_dense("int4", report),
-                     "check_3": lambda: check_dense("fp8", report)}, report)
+    checks = {"check_0": lambda: check_experts("int4", 384, report),
+              "check_1": lambda: check_experts("fp8", 256, report),
+              "check_2": lambda: check_dense("int4", report),
+              "check_3": lambda: check_dense("fp8", report)}
+    if args.tune:
+        checks.update(tune_int4=lambda: tune("int4", 384, report),
+                      tune_fp8=lambda: tune("fp8", 256, report))
+    ok = run_checks(checks, report)
     report["all_passed"] = ok
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     return 0 if ok else 1

@@ -14,6 +14,8 @@ nothing reads back to the host, so CUDA graphs capture these launches.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -23,6 +25,38 @@ from blockspec.layers.quant_dequant import QuantWeight
 
 FORMATS = {"int4": 0, "fp8": 1}
 DENSE_BLOCK_M = 64  # rows per tile for dense layers past a decode step's few rows
+
+
+class Tiles(NamedTuple):
+    """A weight tile's shape and the warps of a program: (BLOCK_N, BLOCK_K, num_warps)."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+
+
+# NOTE: int4 tiles read whole 128-value runs of a row (64 bytes) per step
+# (benchmarks/quant_gpu_checks.py times the alternatives).
+DEFAULT_TILES = {"int4": Tiles(64, 128, 4), "fp8": Tiles(64, 64, 4)}
+
+
+@triton.jit
+def _int4_tile(w_base, s_base, k0, k, col_ok, GROUP_K: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr):
+    """The dequantized fp32 int4 tile [BLOCK_N, BLOCK_K] at input column k0.
+
+    NOTE: the words are read as [BLOCK_N, BLOCK_K / 8], contiguous along k, then unpacked in
+    registers: read as a [BLOCK_K, BLOCK_N] gather (each word once per value) the loads do not
+    coalesce and the kernel ran at ~60 GB/s on an H200 (docs/benchmarks.md)."""
+    kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    words = tl.load(w_base + kw[None, :], mask=col_ok[:, None] & (kw < tl.cdiv(k, 8))[None, :],
+                    other=0)
+    shifts = tl.arange(0, 8) * 4
+    q = tl.reshape((words[:, :, None] >> shifts[None, None, :]) & 0xF, [BLOCK_N, BLOCK_K]) - 8
+    kk = k0 + tl.arange(0, BLOCK_K)
+    s = tl.load(s_base + (kk // GROUP_K)[None, :], mask=col_ok[:, None] & (kk < k)[None, :],
+                other=0.0)
+    return q.to(tl.float32) * s.to(tl.float32)
 
 
 @triton.jit
@@ -39,23 +73,22 @@ def _quant_grouped_gemm(a_ptr, w_ptr, s_ptr, c_ptr, scale_ptr, sorted_ptr, tile_
     slots, valid, rows, cols, col_ok = tile_slots(sorted_ptr, num_slots, n, TOP_K, A_PER_TOKEN,
                                                   BLOCK_M, BLOCK_N)
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    w_base = w_ptr + expert.to(tl.int64) * stride_we + cols[None, :].to(tl.int64) * stride_wn
-    s_base = s_ptr + expert.to(tl.int64) * stride_se + (cols // GROUP_N)[None, :] * stride_sn
+    w_rows = w_ptr + expert.to(tl.int64) * stride_we + cols.to(tl.int64) * stride_wn
+    s_rows = s_ptr + expert.to(tl.int64) * stride_se + (cols // GROUP_N) * stride_sn
     for k0 in range(0, k, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
         k_ok = kk < k
         a = tl.load(a_ptr + rows[:, None].to(tl.int64) * stride_am + kk[None, :],
                     mask=valid[:, None] & k_ok[None, :], other=0.0)
-        w_ok = col_ok[None, :] & k_ok[:, None]
         if FORMAT == 0:
-            # NOTE: eight values per int32 along k; the word is read once per value, from cache.
-            words = tl.load(w_base + (kk // 8)[:, None], mask=w_ok, other=0)
-            q = ((words >> ((kk % 8) * 4)[:, None]) & 0xF) - 8
+            w = tl.trans(_int4_tile(w_rows[:, None], s_rows[:, None], k0, k, col_ok, GROUP_K,
+                                    BLOCK_N, BLOCK_K))
         else:
-            q = tl.load(w_base + kk[:, None], mask=w_ok, other=0.0)
-        s = tl.load(s_base + (kk // GROUP_K)[:, None], mask=w_ok, other=0.0)
-        w = (q.to(tl.float32) * s.to(tl.float32)).to(a.dtype)
-        acc += tl.dot(a, w, out_dtype=tl.float32)
+            w_ok = col_ok[None, :] & k_ok[:, None]
+            q = tl.load(w_rows[None, :] + kk[:, None], mask=w_ok, other=0.0)
+            s = tl.load(s_rows[None, :] + (kk // GROUP_K)[:, None], mask=w_ok, other=0.0)
+            w = q.to(tl.float32) * s.to(tl.float32)
+        acc += tl.dot(a, w.to(a.dtype), out_dtype=tl.float32)
     if SCALE:
         acc *= tl.load(scale_ptr + slots, mask=valid, other=0.0)[:, None]
     tl.store(c_ptr + slots[:, None].to(tl.int64) * stride_cm + cols[None, :],
@@ -63,16 +96,19 @@ def _quant_grouped_gemm(a_ptr, w_ptr, s_ptr, c_ptr, scale_ptr, sorted_ptr, tile_
 
 
 def quant_grouped(a: torch.Tensor, w: QuantWeight, slots: Slots, per_token: bool,
-                  scale: torch.Tensor | None, block_m: int = BLOCK_M) -> torch.Tensor:
+                  scale: torch.Tensor | None, block_m: int = BLOCK_M,
+                  tiles: Tiles | None = None) -> torch.Tensor:
     """[num_slots, N]: each slot's row of `a` times its expert's dequantized weight. `w`'s data
-    and scale are [E, N, ...] (experts) or [N, ...] (one dense weight)."""
+    and scale are [E, N, ...] (experts) or [N, ...] (one dense weight); `tiles` overrides
+    DEFAULT_TILES (a tuning run)."""
     data, s = w.data, w.scale
     experts = data.shape[0] if data.dim() == 3 else 1
     n, k = w.n, w.k
     assert a.stride(1) == 1 and data.stride(-1) == 1 and s.stride(-1) == 1 and a.shape[1] == k
     out = torch.empty(slots.num_slots, n, dtype=a.dtype, device=a.device)
-    block_n = min(64, max(16, triton.next_power_of_2(n)))
-    block_k = min(64, max(16, triton.next_power_of_2(k)))
+    tiles = tiles or DEFAULT_TILES[w.fmt]
+    block_n = min(tiles.block_n, max(16, triton.next_power_of_2(n)))
+    block_k = min(tiles.block_k, max(16, triton.next_power_of_2(k)))
     grid = (slots.tile_expert.numel(), triton.cdiv(n, block_n))
     _quant_grouped_gemm[grid](
         a, data, s, out, scale if scale is not None else out, slots.sorted, slots.tile_expert,
@@ -80,20 +116,22 @@ def quant_grouped(a: torch.Tensor, w: QuantWeight, slots: Slots, per_token: bool
         data.stride(-2), s.stride(0) if experts > 1 else 0, s.stride(-2), out.stride(0),
         FORMAT=FORMATS[w.fmt], GROUP_N=w.group[0], GROUP_K=w.group[1], TOP_K=slots.top_k,
         A_PER_TOKEN=per_token, SCALE=scale is not None, NUM_EXPERTS=experts, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=block_k)
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=tiles.num_warps)
     return out
 
 
 def fused_experts_quant(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                         gate_up: QuantWeight, down: QuantWeight,
-                        stats: torch.Tensor | None = None) -> torch.Tensor:
+                        stats: torch.Tensor | None = None, tiles: Tiles | None = None
+                        ) -> torch.Tensor:
     """experts_reference over the dequantized experts, as two quantized grouped GEMMs:
     x [T, H], weights / ids [T, k], gate_up [E, 2I, H], down [E, H, I] -> [T, H]; `stats` as
-    in fused_moe.align_slots."""
+    in fused_moe.align_slots, `tiles` as in quant_grouped."""
     layers = (gate_up, down)
     return run_experts(x, weights, ids, gate_up.data.shape[0],
                        lambda a, layer, slots, per_token, scale:
-                       quant_grouped(a, layers[layer], slots, per_token, scale), stats)
+                       quant_grouped(a, layers[layer], slots, per_token, scale, tiles=tiles),
+                       stats)
 
 
 def quant_linear(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
