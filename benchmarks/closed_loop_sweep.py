@@ -13,6 +13,7 @@ finishes.
         [--engine-args "--decode-step-prefill-tokens auto"] [--skip-demo] [--acceptance 0.86]
 
 `--engine-args` go to every run (AR and DFlash alike): a what-if beside the defaults.
+`--async-ab`: instead of DFlash, AR with `--async-scheduling` against AR (both engines plain).
 """
 
 from __future__ import annotations
@@ -45,18 +46,19 @@ def by_c(res: dict) -> dict[int, dict]:
     return {lv["concurrency"]: lv for lv in res["levels"]}
 
 
-def compare(ar: dict, spec: dict) -> dict:
-    """Per concurrency: tok/s of both, their ratio, and the latency tails."""
+def compare(ar: dict, spec: dict, other: str = "dflash") -> dict:
+    """Per concurrency: tok/s of both, their ratio, and the latency tails; `other` names the
+    run set against AR."""
     a, s = by_c(ar), by_c(spec)
     rows = {}
     for c in sorted(a):
-        rows[c] = {"ar_tok_s": a[c]["output_tok_s"], "dflash_tok_s": s[c]["output_tok_s"],
+        rows[c] = {"ar_tok_s": a[c]["output_tok_s"], f"{other}_tok_s": s[c]["output_tok_s"],
                    "ratio": s[c]["output_tok_s"] / a[c]["output_tok_s"],
                    "tau": (s[c].get("acceptance") or {}).get("mean_acceptance_length"),
-                   "itl_p99_ms": {"ar": a[c]["itl_ms"]["p99"], "dflash": s[c]["itl_ms"]["p99"]},
-                   "ttft_p99_ms": {"ar": a[c]["ttft_ms"]["p99"],
-                                   "dflash": s[c]["ttft_ms"]["p99"]}}
-    return {"by_concurrency": rows, "min_ratio": min(r["ratio"] for r in rows.values())}
+                   "itl_p99_ms": {"ar": a[c]["itl_ms"]["p99"], other: s[c]["itl_ms"]["p99"]},
+                   "ttft_p99_ms": {"ar": a[c]["ttft_ms"]["p99"], other: s[c]["ttft_ms"]["p99"]}}
+    return {"by_concurrency": rows, "min_ratio": min(r["ratio"] for r in rows.values()),
+            "other": other}
 
 
 def main() -> int:
@@ -68,6 +70,8 @@ def main() -> int:
     ap.add_argument("--skip-demo", action="store_true", help="the Qwen3-8B shape only")
     ap.add_argument("--acceptance", default="0.86,0.6", help="synthetic acceptances (8B shape)")
     ap.add_argument("--engine-args", default="", help="extra engine flags for every run")
+    ap.add_argument("--async-ab", action="store_true",
+                    help="AR with --async-scheduling against AR, in place of DFlash")
     args = ap.parse_args()
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -78,15 +82,20 @@ def main() -> int:
         "benchmarks/closed_loop_sweep.py"), "commit": git_commit()}
     res["engine_args"] = args.engine_args
     if not args.skip_demo:
-        res["demo"] = compare(bench(out, "demo_ar", [*demo, "--draft", "none"]),
-                              bench(out, "demo_default", demo))
+        ar = bench(out, "demo_ar", [*demo, "--draft", "none"])
+        res["demo"] = compare(ar, bench(out, "demo_ar_async", [*demo, "--draft", "none",
+                                                               "--async-scheduling"]), "async") \
+            if args.async_ab else compare(ar, bench(out, "demo_default", demo))
     if not args.skip_big:
         with tempfile.TemporaryDirectory() as d:
             target, drafter = write_folders(Path(d))
             big = ["--model", str(target), "--load-format", "dummy", "--dataset", "random",
                    "--input-len", str(INPUT_LEN), "--concurrency", args.big_concurrency, *extra]
             ar = bench(out, "qwen3_8b_ar", big)
-            for a in (float(x) for x in args.acceptance.split(",")):
+            if args.async_ab:
+                res["qwen3_8b_async"] = compare(ar, bench(out, "qwen3_8b_ar_async",
+                                                          [*big, "--async-scheduling"]), "async")
+            for a in () if args.async_ab else (float(x) for x in args.acceptance.split(",")):
                 spec = bench(out, f"qwen3_8b_adaptive_a{a}",
                              [*big, "--draft", str(drafter), "--synthetic-acceptance", str(a)])
                 res[f"qwen3_8b_a{a}"] = compare(ar, spec)
@@ -94,9 +103,10 @@ def main() -> int:
     res["environment"] = json.loads((out / f"{first}.json").read_text())["environment"]
     (out / "closed_loop_sweep.json").write_text(json.dumps(res, indent=1) + "\n")
     for key in [k for k in res if k.startswith(("demo", "qwen3"))]:
-        print(f"{key}: min DFlash/AR {res[key]['min_ratio']:.2f}x")
+        print(f"{key}: min {res[key]['other']}/AR {res[key]['min_ratio']:.2f}x")
         for c, r in res[key]["by_concurrency"].items():
-            print(f"  C={c:<4d} AR {r['ar_tok_s']:9.0f}  DFlash {r['dflash_tok_s']:9.0f} tok/s  "
+            print(f"  C={c:<4d} AR {r['ar_tok_s']:9.0f}  {res[key]['other']} "
+                  f"{r[res[key]['other'] + '_tok_s']:9.0f} tok/s  "
                   f"{r['ratio']:.2f}x  tau {r['tau']}  ITL p99 {r['itl_p99_ms']}  "
                   f"TTFT p99 {r['ttft_p99_ms']}")
     return 0

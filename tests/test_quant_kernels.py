@@ -83,6 +83,16 @@ def test_quant_linear_matches_dequantized_matmul(fmt, m):
     torch.testing.assert_close(quant_linear(x, w), x @ dense.T, **TOL)
 
 
+def test_k_tiles_hold_whole_scale_groups_or_lie_in_one():
+    from blockspec.layers.quant_gemm import _k_tile
+
+    assert _k_tile(128, 32) == (128, True)  # four groups per tile, scales broadcast
+    assert _k_tile(64, 128) == (64, False)  # half a group per tile: one scale per row
+    assert _k_tile(128, 96) == (32, False)  # a third of a group
+    with pytest.raises(NotImplementedError, match="groups of 40"):
+        _k_tile(128, 40)
+
+
 def experts_ref(x, weights, ids, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """sum_k weight * down_e(silu(gate_e x) * up_e x), token by token."""
     out = torch.zeros_like(x)

@@ -124,7 +124,8 @@ def main() -> int:
                                           (True, False, qg.DENSE_BLOCK_M)):
             consts = dict(FORMAT=qg.FORMATS[fmt], GROUP_N=group[0], GROUP_K=group[1], TOP_K=8,
                           A_PER_TOKEN=per_token, SCALE=scale, NUM_EXPERTS=384, BLOCK_M=block_m,
-                          BLOCK_N=64, BLOCK_K=128 if fmt == "int4" else 64)
+                          BLOCK_N=64, BLOCK_K=128 if fmt == "int4" else 64,
+                          SPLIT=fmt == "int4")
             assert "cubin" in compile_sm90(qg._quant_grouped_gemm, consts, dict(
                 a_ptr="*bf16", w_ptr=w, s_ptr=s, c_ptr="*bf16", scale_ptr="*fp32",
                 sorted_ptr="*i64", tile_expert_ptr="*i64"))

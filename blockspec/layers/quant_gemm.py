@@ -41,22 +41,45 @@ DEFAULT_TILES = {"int4": Tiles(64, 128, 4), "fp8": Tiles(64, 64, 4)}
 
 
 @triton.jit
-def _int4_tile(w_base, s_base, k0, k, col_ok, GROUP_K: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr):
-    """The dequantized fp32 int4 tile [BLOCK_N, BLOCK_K] at input column k0.
+def _scaled(q, s_rows, k0, k, col_ok, GROUP_K: tl.constexpr, BLOCK_N: tl.constexpr,
+            BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
+    """The tile q [BLOCK_N, BLOCK_K] at input column k0 times its weight scales, fp32: one
+    scale per row where the tile lies in one group along k, else (SPLIT: whole groups of a
+    power-of-two size in the tile) one per (row, group).
 
-    NOTE: the words are read as [BLOCK_N, BLOCK_K / 8], contiguous along k, then unpacked in
-    registers: read as a [BLOCK_K, BLOCK_N] gather (each word once per value) the loads do not
-    coalesce and the kernel ran at ~60 GB/s on an H200 (docs/benchmarks.md)."""
-    kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-    words = tl.load(w_base + kw[None, :], mask=col_ok[:, None] & (kw < tl.cdiv(k, 8))[None, :],
-                    other=0)
-    shifts = tl.arange(0, 8) * 4
-    q = tl.reshape((words[:, :, None] >> shifts[None, None, :]) & 0xF, [BLOCK_N, BLOCK_K]) - 8
+    NOTE: one load per (row, group), broadcast in registers: a load per weight value (a gather
+    of repeated addresses) bounded both formats at ~150-220 GB/s on an H200, whatever the tile
+    shape (docs/benchmarks.md)."""
+    if SPLIT:
+        g = k0 // GROUP_K + tl.arange(0, BLOCK_K // GROUP_K)
+        s = tl.load(s_rows[:, None] + g[None, :],
+                    mask=col_ok[:, None] & (g < tl.cdiv(k, GROUP_K))[None, :], other=0.0)
+        s = tl.broadcast_to(s.to(tl.float32)[:, :, None], [BLOCK_N, BLOCK_K // GROUP_K, GROUP_K])
+        out = q * tl.reshape(s, [BLOCK_N, BLOCK_K])
+    else:
+        out = q * tl.load(s_rows + k0 // GROUP_K, mask=col_ok, other=0.0).to(tl.float32)[:, None]
+    return out
+
+
+@triton.jit
+def _weight_tile(w_rows, k0, k, col_ok, FORMAT: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    """The quantized values of the [BLOCK_N, BLOCK_K] tile at input column k0, fp32.
+
+    NOTE: read along k, the rows' contiguous dimension, so the loads coalesce; int4 words are
+    read once ([BLOCK_N, BLOCK_K / 8]) and unpacked in registers (read as a [BLOCK_K, BLOCK_N]
+    gather, each word once per value, the kernel ran at ~60 GB/s)."""
+    if FORMAT == 0:
+        kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        words = tl.load(w_rows[:, None] + kw[None, :],
+                        mask=col_ok[:, None] & (kw < tl.cdiv(k, 8))[None, :], other=0)
+        shifts = tl.arange(0, 8) * 4
+        q = tl.reshape((words[:, :, None] >> shifts[None, None, :]) & 0xF, [BLOCK_N, BLOCK_K])
+        return (q - 8).to(tl.float32)
     kk = k0 + tl.arange(0, BLOCK_K)
-    s = tl.load(s_base + (kk // GROUP_K)[None, :], mask=col_ok[:, None] & (kk < k)[None, :],
+    q = tl.load(w_rows[:, None] + kk[None, :], mask=col_ok[:, None] & (kk < k)[None, :],
                 other=0.0)
-    return q.to(tl.float32) * s.to(tl.float32)
+    return q.to(tl.float32)
 
 
 @triton.jit
@@ -65,7 +88,7 @@ def _quant_grouped_gemm(a_ptr, w_ptr, s_ptr, c_ptr, scale_ptr, sorted_ptr, tile_
                         stride_cm, FORMAT: tl.constexpr, GROUP_N: tl.constexpr,
                         GROUP_K: tl.constexpr, TOP_K: tl.constexpr, A_PER_TOKEN: tl.constexpr,
                         SCALE: tl.constexpr, NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
     """C[slot, :] = A[row of slot] @ dequant(W[expert]).T (times scale[slot]), one tile."""
     expert = tl.load(tile_expert_ptr + tl.program_id(0))
     if expert >= NUM_EXPERTS:
@@ -77,22 +100,28 @@ def _quant_grouped_gemm(a_ptr, w_ptr, s_ptr, c_ptr, scale_ptr, sorted_ptr, tile_
     s_rows = s_ptr + expert.to(tl.int64) * stride_se + (cols // GROUP_N) * stride_sn
     for k0 in range(0, k, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
-        k_ok = kk < k
         a = tl.load(a_ptr + rows[:, None].to(tl.int64) * stride_am + kk[None, :],
-                    mask=valid[:, None] & k_ok[None, :], other=0.0)
-        if FORMAT == 0:
-            w = tl.trans(_int4_tile(w_rows[:, None], s_rows[:, None], k0, k, col_ok, GROUP_K,
-                                    BLOCK_N, BLOCK_K))
-        else:
-            w_ok = col_ok[None, :] & k_ok[:, None]
-            q = tl.load(w_rows[None, :] + kk[:, None], mask=w_ok, other=0.0)
-            s = tl.load(s_rows[None, :] + (kk // GROUP_K)[:, None], mask=w_ok, other=0.0)
-            w = q.to(tl.float32) * s.to(tl.float32)
-        acc += tl.dot(a, w.to(a.dtype), out_dtype=tl.float32)
+                    mask=valid[:, None] & (kk < k)[None, :], other=0.0)
+        w = _scaled(_weight_tile(w_rows, k0, k, col_ok, FORMAT, BLOCK_N, BLOCK_K), s_rows, k0,
+                    k, col_ok, GROUP_K, BLOCK_N, BLOCK_K, SPLIT)
+        acc += tl.dot(a, tl.trans(w.to(a.dtype)), out_dtype=tl.float32)
     if SCALE:
         acc *= tl.load(scale_ptr + slots, mask=valid, other=0.0)[:, None]
     tl.store(c_ptr + slots[:, None].to(tl.int64) * stride_cm + cols[None, :],
              acc.to(c_ptr.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])
+
+
+def _k_tile(block_k: int, group_k: int) -> tuple[int, bool]:
+    """(BLOCK_K, SPLIT) for a scale group of `group_k` input columns: a tile inside one group,
+    or whole power-of-two groups in a tile (see _scaled)."""
+    if group_k & (group_k - 1) == 0:
+        return block_k, group_k < block_k
+    while block_k > 16 and group_k % block_k:
+        block_k //= 2
+    if group_k % block_k:
+        raise NotImplementedError(f"quantization groups of {group_k} input columns: the kernel "
+                                  "takes powers of two or multiples of 16")
+    return block_k, False
 
 
 def quant_grouped(a: torch.Tensor, w: QuantWeight, slots: Slots, per_token: bool,
@@ -108,7 +137,7 @@ def quant_grouped(a: torch.Tensor, w: QuantWeight, slots: Slots, per_token: bool
     out = torch.empty(slots.num_slots, n, dtype=a.dtype, device=a.device)
     tiles = tiles or DEFAULT_TILES[w.fmt]
     block_n = min(tiles.block_n, max(16, triton.next_power_of_2(n)))
-    block_k = min(tiles.block_k, max(16, triton.next_power_of_2(k)))
+    block_k, split = _k_tile(min(tiles.block_k, max(16, triton.next_power_of_2(k))), w.group[1])
     grid = (slots.tile_expert.numel(), triton.cdiv(n, block_n))
     _quant_grouped_gemm[grid](
         a, data, s, out, scale if scale is not None else out, slots.sorted, slots.tile_expert,
@@ -116,7 +145,7 @@ def quant_grouped(a: torch.Tensor, w: QuantWeight, slots: Slots, per_token: bool
         data.stride(-2), s.stride(0) if experts > 1 else 0, s.stride(-2), out.stride(0),
         FORMAT=FORMATS[w.fmt], GROUP_N=w.group[0], GROUP_K=w.group[1], TOP_K=slots.top_k,
         A_PER_TOKEN=per_token, SCALE=scale is not None, NUM_EXPERTS=experts, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=tiles.num_warps)
+        BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, num_warps=tiles.num_warps)
     return out
 
 
