@@ -44,8 +44,8 @@ class EngineConfig:
     block_size: int | None = None  # speculative block (verified tokens); None: the drafter's
     enforce_eager: bool = False  # CUDA: no graphs
     # Plain decode steps scheduled and launched while the previous one runs (engine/pipeline.py;
-    # vLLM's --async-scheduling). NOTE: off by default until measured on a GPU: it speeds up the
-    # target alone, the baseline every speculation ratio is judged against.
+    # vLLM's --async-scheduling). NOTE: off by default: it speeds up the target alone (1.5-1.9x
+    # on the host-bound demo pair, docs/benchmarks.md), and speculative steps do not take it yet.
     async_scheduling: bool = False
     # Speculation policy (with a drafter): "adaptive" picks plain decode or one of `block_sizes`
     # each step from measured step costs and live acceptance; "fixed" always runs the max block.
