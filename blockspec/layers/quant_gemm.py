@@ -35,9 +35,9 @@ class Tiles(NamedTuple):
     num_warps: int
 
 
-# NOTE: int4 tiles read whole 128-value runs of a row (64 bytes) per step
-# (benchmarks/quant_gpu_checks.py times the alternatives).
-DEFAULT_TILES = {"int4": Tiles(64, 128, 4), "fp8": Tiles(64, 64, 4)}
+# NOTE: the fastest tiles of `benchmarks/quant_gpu_checks.py --tune` on an H200 at 64 tokens
+# (within 13% of the best at 1 and 8; docs/benchmarks.md).
+DEFAULT_TILES = {"int4": Tiles(64, 128, 4), "fp8": Tiles(64, 128, 4)}
 
 
 @triton.jit
