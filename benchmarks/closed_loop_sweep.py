@@ -95,7 +95,8 @@ def main() -> int:
             if args.async_ab:
                 res["qwen3_8b_async"] = compare(ar, bench(out, "qwen3_8b_ar_async",
                                                           [*big, "--async-scheduling"]), "async")
-            for a in () if args.async_ab else (float(x) for x in args.acceptance.split(",")):
+            acceptances = [] if args.async_ab else [float(x) for x in args.acceptance.split(",")]
+            for a in acceptances:
                 spec = bench(out, f"qwen3_8b_adaptive_a{a}",
                              [*big, "--draft", str(drafter), "--synthetic-acceptance", str(a)])
                 res[f"qwen3_8b_a{a}"] = compare(ar, spec)

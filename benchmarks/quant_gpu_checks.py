@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from blockspec.bench.check_runner import check_report, run_checks
 from blockspec.bench.gpu_timing import graph_ms
+from blockspec.bench.moe_shapes import random_routing
 from blockspec.layers.fused_moe import fused_experts
 from blockspec.layers.moe import experts_reference, select_experts
 from blockspec.layers.quant_dequant import DequantizedExperts, QuantWeight, dequantize
@@ -114,11 +115,7 @@ def tune(fmt: str, num_experts: int, report: dict) -> None:
             torch.randn(num_experts, H, INTER, device="cuda", dtype=torch.bfloat16))
     rows = []
     for t in (1, 8, 64):
-        x = torch.randn(t, H, device="cuda", dtype=torch.bfloat16, generator=g)
-        w, ids = select_experts(torch.randn(t, num_experts, device="cuda", generator=g), None,
-                                TOP_K, 1, 1, True, 1.0)
-        w = w.to(x.dtype)
-        distinct = ids.unique().numel()
+        x, w, ids, distinct = random_routing(t, H, num_experts, TOP_K, "cuda", g)
         row = {"tokens": t, "experts": distinct,
                "bf16_ms": graph_ms(lambda x=x, w=w, ids=ids, ref=bf16: fused_experts(x, w, ids,
                                                                                     *ref))}

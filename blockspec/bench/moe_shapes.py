@@ -140,12 +140,24 @@ def layer_times(model, batches: list[int], block_lens: list[int], context: int,
     return rows
 
 
+def random_routing(tokens: int, hidden: int, num_experts: int, top_k: int, device,
+                   generator: torch.Generator | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """(x bf16 [tokens, hidden], weights bf16 / ids [tokens, top_k], distinct experts picked)
+    from random router logits: the inputs of a routed-experts timing."""
+    from blockspec.layers.moe import select_experts
+
+    x = torch.randn(tokens, hidden, device=device, dtype=torch.bfloat16, generator=generator)
+    w, ids = select_experts(torch.randn(tokens, num_experts, device=device, generator=generator),
+                            None, top_k, 1, 1, True, 1.0)
+    return x, w.to(x.dtype), ids, ids.unique().numel()
+
+
 def expert_kernel_times(model, tokens: list[int], graph_ms, reference=None) -> list[dict]:
     """One MoE layer's routed experts at `tokens` tokens (random routing): the grouped GEMMs'
     time (CUDA graph replay), the distinct experts read and their bytes per second; with
     `reference` ((gate_up, down) bf16 tensors of the same shape), the bf16 kernels' time too."""
     from blockspec.layers.fused_moe import fused_experts
-    from blockspec.layers.moe import select_experts
 
     moe = model.moe_layers[0]
     cfg = moe.moe
@@ -154,11 +166,8 @@ def expert_kernel_times(model, tokens: list[int], graph_ms, reference=None) -> l
         // cfg.num_experts
     rows = []
     for t in tokens:
-        x = torch.randn(t, model.config.hidden_size, device=dev, dtype=torch.bfloat16)
-        w, ids = select_experts(torch.randn(t, cfg.num_experts, device=dev), None,
-                                cfg.num_experts_per_tok, 1, 1, True, 1.0)
-        w = w.to(x.dtype)
-        distinct = ids.unique().numel()
+        x, w, ids, distinct = random_routing(t, model.config.hidden_size, cfg.num_experts,
+                                             cfg.num_experts_per_tok, dev)
         ms = graph_ms(lambda x=x, w=w, ids=ids: moe.experts(x, w, ids, moe.experts_backend,
                                                               moe.expert_counts))
         row = {"tokens": t, "experts": distinct, "ms": ms,

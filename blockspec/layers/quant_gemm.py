@@ -3,7 +3,7 @@
 (W8A16). One kernel serves the routed experts (fused_moe.py's slot tiles, one expert's weight per
 tile) and dense Linear layers (one "expert", the rows in order).
 
-Per weight tile [BLOCK_K, BLOCK_N]:
+Per weight tile [BLOCK_N, BLOCK_K] (transposed for tl.dot):
     int4: nibble (k % 8) of word k // 8, minus 8, times scale[n, k // group]
     fp8:  the e4m3 value times scale_inv[n // block_n, k // block_k]
 exact in fp32, then rounded once to the activations' dtype for tl.dot. With 16-bit
@@ -48,8 +48,8 @@ def _scaled(q, s_rows, k0, k, col_ok, GROUP_K: tl.constexpr, BLOCK_N: tl.constex
     power-of-two size in the tile) one per (row, group).
 
     NOTE: one load per (row, group), broadcast in registers: a load per weight value (a gather
-    of repeated addresses) bounded both formats at ~150-220 GB/s on an H200, whatever the tile
-    shape (docs/benchmarks.md)."""
+    of repeated addresses) bounds the kernel by its load instructions, not its bytes, whatever
+    the tile shape (docs/benchmarks.md, "MoE targets")."""
     if SPLIT:
         g = k0 // GROUP_K + tl.arange(0, BLOCK_K // GROUP_K)
         s = tl.load(s_rows[:, None] + g[None, :],
@@ -67,8 +67,8 @@ def _weight_tile(w_rows, k0, k, col_ok, FORMAT: tl.constexpr, BLOCK_N: tl.conste
     """The quantized values of the [BLOCK_N, BLOCK_K] tile at input column k0, fp32.
 
     NOTE: read along k, the rows' contiguous dimension, so the loads coalesce; int4 words are
-    read once ([BLOCK_N, BLOCK_K / 8]) and unpacked in registers (read as a [BLOCK_K, BLOCK_N]
-    gather, each word once per value, the kernel ran at ~60 GB/s)."""
+    read once ([BLOCK_N, BLOCK_K / 8]) and unpacked in registers: a [BLOCK_K, BLOCK_N] gather
+    reads each word once per value, across rows, and does not coalesce."""
     if FORMAT == 0:
         kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
         words = tl.load(w_rows[:, None] + kw[None, :],
