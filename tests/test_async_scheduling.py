@@ -72,6 +72,10 @@ def test_arrivals_preemption_and_prefix_hits(qwen3_path, launches):
         assert [o.token_ids for o in outs] == [r[0] for r in sync]
         assert_no_leaks(llm)
     assert launches[0] > 0 and llm.engine.scheduler.num_preemptions > 0
+    # The step mix (what benchmarks report) accounts for every token, ahead steps included.
+    mix = llm.engine.step_mix.cells
+    assert sum(t for _, _, t in mix.values()) == 2 * sum(len(r[0]) for r in sync)
+    assert mix["ahead", 1][0] == launches[0] and mix["ahead", 1][2] > 0
 
 
 def test_abort_while_a_step_is_in_flight(qwen3_path, launches):

@@ -222,6 +222,14 @@ def test_bench_offline_end_to_end(qwen3_path, tmp_path, capsys):
         assert lv["ttft_ms"]["count"] == 3 and lv["tpot_ms"]["median"] > 0
         assert lv["itl_ms"]["count"] == 15  # 5 gaps per 6-token request
         assert lv["acceptance"] is None
+        # Every output token comes from a step of the level: plain decodes (block 1) and the
+        # prefill steps that sample the first token (block 0, nothing decoding) or run beside
+        # decodes (block 1).
+        mix = lv["step_mix"]
+        assert sum(cell["tokens"] for cell in mix.values()) == 18
+        assert set(mix) <= {"decode/1", "eager/0", "eager/1", "flat/0", "flat/1"}
+        assert mix["decode/1"]["steps"] >= 4 and mix["decode/1"]["ms_per_step"] > 0
+        assert sum(cell["time_share"] for cell in mix.values()) == pytest.approx(1, abs=1e-3)
     assert "| Config | C=1 | C=2 | Peak |" in stdout
 
 
@@ -263,6 +271,9 @@ def test_bench_offline_synthetic_is_labelled(qwen3_path, models_root, tmp_path, 
     assert 1.0 <= acc["mean_acceptance_length"] <= 4.0
     assert len(acc["acceptance_rate_per_position"]) == 3
     assert sum(acc["acceptance_length_hist"].values()) == acc["num_steps"]
+    mix = res["levels"][0]["step_mix"]
+    assert sum(cell["tokens"] for cell in mix.values()) == 32
+    assert any(key.endswith("/4") for key in mix)  # the fixed block's speculative steps
     assert "SYNTHETIC" in stdout
     # Synthetic acceptance without a drafter is refused with one line.
     rc, _, err = run_cli(["offline", "--model", str(qwen3_path), "--synthetic-acceptance", "0.5",

@@ -186,6 +186,22 @@ def test_plain_when_verify_expensive_and_acceptance_low(qwen3_path, drafter, pro
     assert_no_leaks(llm)
 
 
+def test_policy_view_reports_what_the_choice_was_priced_from(qwen3_path, drafter, prompts):
+    """bench offline's per-level policy view: the modelled rates, which the choice maximises,
+    and the live overhead terms that the steps fed."""
+    from blockspec.bench.offline import policy_view
+
+    llm = spec_llm(qwen3_path, drafter)
+    llm.engine.runner.set_cost_model(flat_costs({1: 1.0, 2: 5.0, 4: 10.0, 8: 20.0, 16: 40.0}))
+    llm.generate(prompts, GREEDY)
+    view = policy_view(llm.engine, 2)
+    assert view["mode"] == "adaptive" and view["choice"] == 1
+    assert max(view["rates"], key=view["rates"].get) == 1
+    assert set(view["overhead_s"]) == {1, 2, 4, 8, 16}
+    llm.engine.runner.set_policy("fixed", 4)
+    assert policy_view(llm.engine, 2) is None
+
+
 def test_max_block_when_verify_cheap_and_acceptance_high(models_root):
     target, drafter = build_constant_pair(models_root, {5: 0.9, 6: 0.1}, block_size=16,
                                           name="const16")

@@ -150,6 +150,16 @@ def engine_facts(engine: LLMEngine) -> dict[str, Any]:
     }
 
 
+def policy_view(engine: LLMEngine, concurrency: int) -> dict[str, Any] | None:
+    """The adaptive policy's view at the level's end for a batch of `concurrency` (its modelled
+    rates, live overhead terms, tau and acceptance; SpeculationPolicy.explain), None without
+    one: what the level's choices were priced from."""
+    ctl = getattr(engine.runner, "controller", None)
+    if ctl is None or ctl.policy is None:
+        return None
+    return ctl.explain(min(concurrency, engine.config.max_num_seqs))
+
+
 def run_offline(args: argparse.Namespace, engine_kwargs: Callable[[argparse.Namespace], dict],
                 resolve_model: Callable[[argparse.Namespace], str]) -> dict[str, Any]:
     levels = parse_concurrency(args.concurrency)
@@ -195,11 +205,14 @@ def run_offline(args: argparse.Namespace, engine_kwargs: Callable[[argparse.Name
         if args.warmup_tokens:
             run_requests(engine, warm[:2 * c], warmup_params(args, c), c, f"warmup{c}",
                          show=False)
+        mix = engine.step_mix.copy()
         records, duration, spec = run_requests(engine, prompts[start:start + n], params, c,
                                                f"c{c}")
         start += n
         level = summarize_level(c, records, duration)
         level["acceptance"] = acceptance_from_spec(spec)
+        level["step_mix"] = engine.step_mix.since(mix)
+        level["policy_view"] = policy_view(engine, c)
         result["levels"].append(level)
         save_result(args.out, result)
         print(level_line(level), flush=True)

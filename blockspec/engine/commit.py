@@ -15,10 +15,11 @@ from blockspec.outputs import RequestOutput
 
 def commit_step(sched: SchedulerOutput, res: StepResult, processor: OutputProcessor,
                 scheduler: Scheduler, spec_stats: SpecStats | None
-                ) -> tuple[list[RequestOutput], float]:
-    """(the step's outputs, seconds spent finishing requests). `spec_stats`: the engine's
-    speculation statistics, None without a drafter."""
-    finishing = _append_tokens(res, processor, spec_stats)
+                ) -> tuple[list[RequestOutput], float, int]:
+    """(the step's outputs, seconds spent finishing requests, tokens appended: past a stop or
+    a limit a block's tokens are dropped). `spec_stats`: the engine's speculation statistics,
+    None without a drafter."""
+    finishing, appended = _append_tokens(res, processor, spec_stats)
     bm = scheduler.block_manager
     for seq, adv in zip(sched.seqs, res.advance):
         # NOTE: K/V exist for every token but the newest (the target's own pick, or a
@@ -30,7 +31,7 @@ def commit_step(sched: SchedulerOutput, res: StepResult, processor: OutputProces
     outputs: list[RequestOutput] = []
     finish_seconds = 0.0
     if not finishing and not processor.num_reporting:
-        return outputs, 0.0  # NOTE: the common step of a batch run: nothing to report
+        return outputs, 0.0, appended  # NOTE: the common step of a batch run: nothing to report
     for seq in res.sampled_seqs:
         req = processor.requests[seq.request_id]
         if id(seq) in finishing:
@@ -40,20 +41,23 @@ def commit_step(sched: SchedulerOutput, res: StepResult, processor: OutputProces
             finish_seconds += time.perf_counter() - t
         elif seq.is_finished or req.output_kind != "final_only":
             outputs.append(processor.output(req))
-    return outputs, finish_seconds
+    return outputs, finish_seconds, appended
 
 
 def _append_tokens(res: StepResult, processor: OutputProcessor, spec_stats: SpecStats | None
-                   ) -> dict[int, tuple[str, str | int | None]]:
-    """Appends every sampled sequence's tokens; returns why each finishing one finishes."""
+                   ) -> tuple[dict[int, tuple[str, str | int | None]], int]:
+    """Appends every sampled sequence's tokens; returns why each finishing one finishes, and
+    the tokens appended."""
     now = time.monotonic()
     finishing: dict[int, tuple[str, str | int | None]] = {}
+    appended = 0
     spec = spec_stats is not None
     if spec:
         spec_stats.record_block_len(res.block_len)
     for seq, toks, lps, drafted, acc, blen in zip(res.sampled_seqs, res.tokens, res.logprobs,
                                                   res.drafted, res.accepted, res.block_lens):
         req = processor.requests[seq.request_id]
+        before = len(seq.output_token_ids)
         # NOTE: a request's plain-decode steps (blen 1: one token each) are not counted here,
         # per sequence and step, but from its token counts when its outputs are built
         # (SpecStats.settle_plain_steps): those of its speculative steps (blen >= 2) and of
@@ -63,13 +67,13 @@ def _append_tokens(res: StepResult, processor: OutputProcessor, spec_stats: Spec
             m.block_len_steps[blen] += 1
             m.record(drafted, acc)
             spec_stats.record(drafted, acc)
-            before = len(seq.output_token_ids)
             reason = processor.append(req, toks, lps, now)
             m.num_spec_tokens += len(seq.output_token_ids) - before
         else:
             if spec and blen == 0:
                 seq.metrics.spec.num_prefill_tokens += 1
             reason = processor.append(req, toks, lps, now)
+        appended += len(seq.output_token_ids) - before
         if reason is not None:
             finishing[id(seq)] = reason
-    return finishing
+    return finishing, appended

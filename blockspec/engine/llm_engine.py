@@ -25,6 +25,7 @@ from blockspec.engine.scheduler import Scheduler, SchedulerOutput
 from blockspec.engine.sequence import Sequence
 from blockspec.engine.speculation import resolve_block_lens
 from blockspec.engine.step_error import StepError
+from blockspec.engine.step_mix import StepMix
 from blockspec.engine.step_result import StepResult, StepTimings
 from blockspec.layers.counter_rng import derive_seed
 from blockspec.models.loader import load_model
@@ -117,6 +118,8 @@ class LLMEngine:
         # stragglers (SpeculationPolicy.rates). A server never sets it.
         self.closed_batch = False
         self.finish_seconds = 0.0  # the last step's time spent finishing requests (_commit)
+        self.committed_tokens = 0  # ... and the tokens it appended
+        self.step_mix = StepMix()  # steps, seconds and tokens by kind (benchmarks report it)
         if hasattr(self.model, "reset_expert_counts"):
             self.model.reset_expert_counts()  # NOTE: the memory profile's forwards counted too
 
@@ -203,7 +206,7 @@ class LLMEngine:
         return self._settle() + self._step()
 
     def _step_ahead(self, seqs: list[Sequence]) -> list[RequestOutput]:
-        prev = self._pending
+        prev, t0 = self._pending, time.perf_counter()
         try:
             self._pending = self.runner.launch_ahead(seqs, prev)
             outputs = self._commit_pending(prev) if prev is not None else []
@@ -211,6 +214,8 @@ class LLMEngine:
             self._pending = None
             raise StepError(e, self._fail(seqs)) from e
         self.runner.timings.steps += 1
+        self.step_mix.add("ahead", 1, time.perf_counter() - t0,
+                          self.committed_tokens if prev is not None else 0)
         return outputs
 
     def _settle(self) -> list[RequestOutput]:
@@ -218,10 +223,13 @@ class LLMEngine:
         prev, self._pending = self._pending, None
         if prev is None:
             return []
+        t0 = time.perf_counter()
         try:
-            return self._commit_pending(prev)
+            outputs = self._commit_pending(prev)
         except Exception as e:
             raise StepError(e, self._fail(prev.seqs)) from e
+        self.step_mix.add("settle", 1, time.perf_counter() - t0, self.committed_tokens)
+        return outputs
 
     def _commit_pending(self, pending: PendingDecode) -> list[RequestOutput]:
         sched, res, waited = pending.settle()
@@ -260,6 +268,7 @@ class LLMEngine:
         # requests in one step, and that one sample (clipped at a modelled step) would lift
         # plain decode's term for the runs after it.
         self._observe_step_time(t3 - t0 - self.finish_seconds)
+        self.step_mix.add(res.path or "eager", res.block_len, t3 - t0, self.committed_tokens)
         return outputs
 
     def _observe_step_time(self, seconds: float) -> None:
@@ -289,7 +298,7 @@ class LLMEngine:
         return Drain.of(left) if left else None
 
     def _commit(self, sched: SchedulerOutput, res: StepResult) -> list[RequestOutput]:
-        outputs, self.finish_seconds = commit_step(
+        outputs, self.finish_seconds, self.committed_tokens = commit_step(
             sched, res, self.outputs, self.scheduler,
             self.spec_stats if self.runner.proposer is not None else None)
         return outputs

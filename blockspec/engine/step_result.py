@@ -20,6 +20,7 @@ class StepResult:
     # Per sampled seq: its decode block length (1 = plain), 0 if it sampled after a prefill.
     block_lens: list[int] = field(default_factory=list)
     block_len: int = 0  # the step's chosen block length (0: no sequence was decoding)
+    path: str = ""  # the execute path that ran it (Plan.path)
 
 
 @dataclass
