@@ -277,6 +277,32 @@ def test_plain_choice_is_repriced_every_recheck_plain_steps(monkeypatch):
     assert policy.choose(1, t) > 1 and len(priced) == 6  # speculative choices are never held
 
 
+def test_a_probes_measured_price_spaces_the_next_one():
+    """probe_overhead budgets a probe at the larger of its modelled extra and what the last
+    probe at that batch size measured: a probe that cost 10x its model waits 10x longer."""
+    cm = StepCostModel({1: {1: 1.0}, 4: {1: 1.1}})  # modelled extra 0.1 s; plain wins
+    t = iid_tracker(0.01)
+
+    def probe_gaps(measured: float | None) -> list[int]:
+        policy = SpeculationPolicy(cm, (4,), probe_every=2, probe_overhead=0.05)
+        gaps, n = [], 0
+        for _ in range(400):
+            n += 1
+            if policy.choose(1, t) == 4:
+                assert policy.probing
+                if measured is not None:
+                    policy.observe_probe(1, measured)
+                gaps.append(n)
+                n = 0
+            else:
+                assert not policy.probing
+        return gaps
+
+    assert set(probe_gaps(None)) == {3}  # 0.1 s <= 5% of 2 plain seconds: every third step
+    assert set(probe_gaps(1.0)[1:]) == {20}  # 1 s measured: 20 plain seconds between probes
+    assert set(probe_gaps(0.01)) == {3}  # a measured price under the model's: the model's
+
+
 def test_probe_asks_the_switch_cost_every_recheck_plain_steps():
     """The probe's affordability check re-asks the switch cost (it walks the batch) only every
     RECHECK_PLAIN streak steps."""

@@ -340,15 +340,32 @@ def test_controller_learns_step_overhead_at_the_graph_bucket():
     assert ctl.explain(6)["overhead_s"] == {1: 0.0, 4: 0.0}
 
 
+def test_a_probe_is_priced_at_what_it_took_and_a_catch_up_feeds_no_overhead():
+    """A probe step's wall time beyond a plain step (its catch-up included) budgets the next
+    probe at that batch size; a caught-up step does not move the overhead terms."""
+    from blockspec.engine.speculation import SpecController
+
+    cm = StepCostModel({1: {8: 1.0}, 2: {8: 1.2}})
+    ctl = SpecController([2], "adaptive", cm)
+    ctl.policy.probing = True  # as after a probe choice
+    ctl.observe_step_time(8, 2, 11.0, caught_up=True)
+    assert ctl.policy._probe_excess == {8: pytest.approx(10.0)}
+    assert ctl.overhead(8, 2) == 0 and ctl.overhead(8, 1) == 0
+    ctl.policy.probing = False
+    ctl.observe_step_time(8, 2, 1.5)  # not a probe: only the overhead term learns
+    assert ctl.policy._probe_excess == {8: pytest.approx(10.0)}
+    assert ctl.overhead(8, 2) == pytest.approx(0.3)
+
+
 def test_engine_reports_all_decode_step_times(qwen3_path, drafter, prompts, monkeypatch):
     """The runner flags all-decode steps only (not prefill or mixed steps) and the engine hands
     each one's wall time to the controller."""
-    # NOTE: without the lazy context: a catch-up step is not flagged (see ModelRunner._execute)
+    # NOTE: without the lazy context: no step is flagged as caught up
     llm = spec_llm(qwen3_path, drafter, cost_profile="none", lazy_draft_context=False)
     runner = llm.engine.runner
     seen = []
     monkeypatch.setattr(runner.controller, "observe_step_time",
-                        lambda n, L, s: seen.append((n, L, s)))
+                        lambda n, L, s, caught_up: seen.append((n, L, s, caught_up)))
     flagged = []
     execute = runner._execute
 
@@ -363,8 +380,8 @@ def test_engine_reports_all_decode_step_times(qwen3_path, drafter, prompts, monk
     llm.generate(prompts[:3], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     assert any(not d for d, _ in flagged) and any(d for d, _ in flagged)
     assert all((t is not None) == d for d, t in flagged)
-    assert [(n, L) for n, L, _ in seen] == [t for d, t in flagged if d]
-    assert all(s > 0 for _, _, s in seen)
+    assert [(n, L, c) for n, L, _, c in seen] == [t for d, t in flagged if d]
+    assert all(s > 0 and not c for _, _, s, c in seen)
     assert runner.timed_step is None
 
 
@@ -376,7 +393,7 @@ def test_step_time_leaves_out_finishing_requests(qwen3_path, drafter, prompts, m
     eng = llm.engine
     seen = []
     monkeypatch.setattr(eng.runner.controller, "observe_step_time",
-                        lambda n, L, s: seen.append(s))
+                        lambda n, L, s, caught_up: seen.append(s))
     finish = eng.scheduler.finish
 
     def slow_finish(*args, **kw):

@@ -110,9 +110,9 @@ class ModelRunner:
         self.graphs = self.graphs_by_len.get(self.max_block)  # compat: the max block's graphs
         self.timings = StepTimings()  # the runner's parts; the engine adds its own and steps
         self.path_steps: Counter[str] = Counter()  # steps by Plan.path (/metrics)
-        # (decoding sequences, block length) of the last step if it was an all-decode step
-        # without a catch-up: the engine reports its wall time (observe_step_time).
-        self.timed_step: tuple[int, int] | None = None
+        # (decoding sequences, block length, caught up) of the last step if it was an all-decode
+        # step: the engine reports its wall time (observe_step_time).
+        self.timed_step: tuple[int, int, bool] | None = None
         self.cost_profile_info: dict | None = None
         self.controller: SpecController | None = None  # NOTE: None while costs are measured
         if proposer is not None:
@@ -234,10 +234,9 @@ class ModelRunner:
         plan = self.planner.decide(seqs, num_new_tokens, ctx)
         self.path_steps[plan.path] += 1
         caught_up = self.context.before_step(seqs, plan)
-        # NOTE: only all-decode steps time the policy's overhead term; a catch-up is priced by
-        # switch_cost, not there.
-        self.timed_step = (plan.num_decoding, plan.block_len) if plan.path == "decode" \
-            and self.controller is not None and not caught_up else None
+        # NOTE: only all-decode steps are timed for the policy (SpecController.observe_step_time).
+        self.timed_step = (plan.num_decoding, plan.block_len, caught_up) \
+            if plan.path == "decode" and self.controller is not None else None
         if plan.path == "decode":
             res = self._execute_decode(seqs, plan.block_len)
         else:
@@ -268,7 +267,8 @@ class ModelRunner:
         """The engine's wall time of the step just run (schedule to outputs), for the policy's
         live overhead term; only all-decode steps count (see `timed_step`)."""
         if self.timed_step is not None:
-            self.controller.observe_step_time(*self.timed_step, seconds)
+            n, block_len, caught_up = self.timed_step
+            self.controller.observe_step_time(n, block_len, seconds, caught_up=caught_up)
             self.timed_step = None
 
     @torch.inference_mode()

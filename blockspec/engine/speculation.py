@@ -141,14 +141,19 @@ class SpecController:
         else:
             self.tracker.tick()
 
-    def observe_step_time(self, num_decoding: int, block_len: int, seconds: float) -> None:
-        """The wall time of an all-decode step at `block_len` (one without a catch-up), against
-        its modelled time at the step's graph bucket (StepOverhead)."""
+    def observe_step_time(self, num_decoding: int, block_len: int, seconds: float,
+                          caught_up: bool = False) -> None:
+        """The wall time of an all-decode step at `block_len`: against its modelled time at the
+        step's graph bucket (StepOverhead) where it paid no catch-up (`caught_up`: the
+        switch cost prices that), and as a probe's price where the policy probed."""
         if self.overhead is None or self.cost_model is None \
                 or block_len not in self.cost_model.block_lens:
             return
         b = self._bucket(num_decoding)
-        self.overhead.observe(b, block_len, self.cost_model.cost(b, block_len), seconds)
+        if self.policy is not None and self.policy.probing:
+            self.policy.observe_probe(b, seconds - self.policy.step_cost(b, 1))
+        if not caught_up:
+            self.overhead.observe(b, block_len, self.cost_model.cost(b, block_len), seconds)
 
     def explain(self, num_decoding: int, drain: DrainArg = None) -> dict[str, Any]:
         """The policy's view for a batch size (side-effect free): rates, tau, acceptance."""

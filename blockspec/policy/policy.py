@@ -84,6 +84,10 @@ class SpeculationPolicy:
         self._memo_key: tuple[int, AcceptanceTracker, int] | None = None
         # (plain streak, seconds) of the probe's last switch_cost (see _probe_affordable).
         self._probe_switch: tuple[int | None, float] = (None, 0.0)
+        # Whether the last choice was a probe, and per batch size the wall time the last
+        # measured probe took beyond a plain step (observe_probe).
+        self.probing = False
+        self._probe_excess: dict[int, float] = {}
 
     def step_cost(self, batch_size: int, block_len: int) -> float:
         """The modelled step time plus the live per-step overhead (see StepOverhead)."""
@@ -154,6 +158,7 @@ class SpeculationPolicy:
         first ((batch size, this cost model) -> (seconds, horizon)), e.g. the drafter-context
         catch-up when the engine skipped those writes; `horizon`: tokens per sequence left to
         amortise it."""
+        self.probing = False
         if self.mode == "fixed":
             return self.fixed_len
         # NOTE: the tracker itself is kept (compared by identity), not its id(), which a new
@@ -189,8 +194,18 @@ class SpeculationPolicy:
         if self.probe_every and self._plain_streak > self.probe_every \
                 and self._probe_affordable(batch_size, switch_cost):
             self._end_plain_streak()
+            self.probing = True
             return self.block_lens[0]
         return 1
+
+    def observe_probe(self, batch_size: int, excess: float) -> None:
+        """The wall time a probe step took beyond a plain step at `batch_size` (its verify, its
+        drafting and its catch-up, host included): later probes there are budgeted at no less.
+        NOTE: the modelled price leaves out what the profile does not time (the catch-up's
+        host work, the drafter's first run after a detached stretch): on an H200 at a=0.6,
+        B=256 a probe cost 4x its modelled extra, and the probes 2% of the plain streaks'
+        time against the 0.5% budget (docs/benchmarks.md, "Closed loop")."""
+        self._probe_excess[batch_size] = max(0.0, excess)
 
     def _end_plain_streak(self) -> None:
         """A speculative choice (or a probe): the streak, its held choice and its probe's
@@ -203,13 +218,15 @@ class SpeculationPolicy:
         that commits one token per sequence, like a plain step) is at most that fraction of the
         time spent in the plain streak: at large batches verification costs several plain steps,
         so probes there are rarer. A probe also pays the whole `switch_cost` (asked only once
-        the step's own extra fits the budget)."""
+        the step's own extra fits the budget). The extra is at least what the last probe at
+        this batch size measured (observe_probe)."""
         if not self.probe_overhead:
             return True
         budget = self.probe_overhead * self._plain_time
+        measured = self._probe_excess.get(batch_size, 0.0)
         extra = self.cost_model.cost(batch_size, self.block_lens[0]) \
             - self.cost_model.cost(batch_size, 1)
-        if extra > budget:
+        if max(extra, measured) > budget:
             return False
         if switch_cost is not None:
             # NOTE: re-asked every RECHECK_PLAIN streak steps only (it can walk the batch): a
@@ -219,7 +236,7 @@ class SpeculationPolicy:
                 switch_s = switch_cost(batch_size, self.cost_model)[0]
                 self._probe_switch = (self._plain_streak, switch_s)
             extra += switch_s
-        return extra <= budget
+        return max(extra, measured) <= budget
 
     def explain(self, batch_size: int, tracker: AcceptanceTracker, drain: DrainArg = None
                 ) -> dict[str, Any]:
