@@ -221,7 +221,7 @@ def test_bench_offline_end_to_end(qwen3_path, tmp_path, capsys):
         assert lv["output_tok_s"] == pytest.approx(18 / lv["duration_s"])
         assert lv["ttft_ms"]["count"] == 3 and lv["tpot_ms"]["median"] > 0
         assert lv["itl_ms"]["count"] == 15  # 5 gaps per 6-token request
-        assert lv["acceptance"] is None
+        assert lv["acceptance"] is None and lv["drafter_context"] == {}
         # Every output token comes from a step of the level: plain decodes (block 1) and the
         # prefill steps that sample the first token (block 0, nothing decoding) or run beside
         # decodes (block 1).
@@ -273,6 +273,8 @@ def test_bench_offline_synthetic_is_labelled(qwen3_path, models_root, tmp_path, 
     assert sum(acc["acceptance_length_hist"].values()) == acc["num_steps"]
     mix = res["levels"][0]["step_mix"]
     assert sum(cell["tokens"] for cell in mix.values()) == 32
+    context = res["levels"][0]["drafter_context"]
+    assert set(context) == {"staged_flushes"}  # the fixed policy has no lazy context
     assert any(key.endswith("/4") for key in mix)  # the fixed block's speculative steps
     assert "SYNTHETIC" in stdout
     # Synthetic acceptance without a drafter is refused with one line.

@@ -175,6 +175,10 @@ def test_detached_steps_run_no_drafter_work(qwen3_path, drafter16, prompts):
     while llm.engine.has_unfinished():
         llm.engine.step()
     assert lz.num_detached_steps == 120 - 1 - DETACH_AFTER
+    # The step mix (bench offline's) tells detached plain steps from attached ones.
+    mix = llm.engine.step_mix.cells
+    assert mix["detached", 1][0] == lz.num_detached_steps
+    assert mix["decode", 1][0] == DETACH_AFTER
     assert len(writes) == n_writes and not any(writes) and not drafts
     assert lz.num_catchups == 0 and len(st) == 0
     assert_no_leaks(llm)

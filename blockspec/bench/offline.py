@@ -160,6 +160,21 @@ def policy_view(engine: LLMEngine, concurrency: int) -> dict[str, Any] | None:
     return ctl.explain(min(concurrency, engine.config.max_num_seqs))
 
 
+def context_counters(engine: LLMEngine) -> dict[str, float]:
+    """The drafter context's counters so far (empty without a drafter): batched writes of
+    staged plain steps, and the lazy context's detached steps, re-attachments and catch-ups."""
+    runner = engine.runner
+    staging, lazy = getattr(runner, "staging", None), getattr(runner, "lazy", None)
+    out: dict[str, float] = {}
+    if staging is not None:
+        out["staged_flushes"] = staging.num_flushes
+    if lazy is not None:
+        out.update(detached_steps=lazy.num_detached_steps, reattaches=lazy.num_reattaches,
+                   catchups=lazy.num_catchups, catchup_tokens=lazy.num_catchup_tokens,
+                   catchup_seconds=lazy.catchup_seconds)
+    return out
+
+
 def run_offline(args: argparse.Namespace, engine_kwargs: Callable[[argparse.Namespace], dict],
                 resolve_model: Callable[[argparse.Namespace], str]) -> dict[str, Any]:
     levels = parse_concurrency(args.concurrency)
@@ -205,7 +220,7 @@ def run_offline(args: argparse.Namespace, engine_kwargs: Callable[[argparse.Name
         if args.warmup_tokens:
             run_requests(engine, warm[:2 * c], warmup_params(args, c), c, f"warmup{c}",
                          show=False)
-        mix = engine.step_mix.copy()
+        mix, context = engine.step_mix.copy(), context_counters(engine)
         records, duration, spec = run_requests(engine, prompts[start:start + n], params, c,
                                                f"c{c}")
         start += n
@@ -213,6 +228,8 @@ def run_offline(args: argparse.Namespace, engine_kwargs: Callable[[argparse.Name
         level["acceptance"] = acceptance_from_spec(spec)
         level["step_mix"] = engine.step_mix.since(mix)
         level["policy_view"] = policy_view(engine, c)
+        level["drafter_context"] = {k: round(v - context[k], 6)
+                                    for k, v in context_counters(engine).items()}
         result["levels"].append(level)
         save_result(args.out, result)
         print(level_line(level), flush=True)

@@ -248,7 +248,9 @@ class ModelRunner:
         """The drafter context's counts, and the policy's acceptance statistics."""
         self.context.after_step(seqs, plan, res.advance)
         res.block_len = plan.block_len if plan.num_decoding else 0
-        res.path = plan.path
+        # NOTE: "detached": a plain decode step without the drafter's context (lazy context)
+        res.path = "detached" if plan.path == "decode" and plan.block_len == 1 \
+            and self.lazy is not None and self.lazy.detached else plan.path
         if self.controller is not None and plan.num_decoding:
             self.controller.observe(plan.block_len, res.drafted, res.accepted)
 

@@ -11,11 +11,12 @@ __all__ = ["StepMix"]
 
 @dataclass
 class StepMix:
-    """Sums per (path, block length): path is the step's Plan.path ("decode", "flat", "eager"),
-    or "ahead" for an async-scheduled plain decode (its wall time is the host's launch and the
-    previous step's commit, its tokens those the previous step appended), "settle" for the
-    commit of an async step before a synchronous one; block length 0 is a step in which nothing
-    decoded (prefills alone)."""
+    """Sums per (path, block length): path is the step's Plan.path ("decode", "flat", "eager";
+    "detached" for a plain decode step while the lazy drafter context is detached), "ahead" for
+    an async-scheduled plain decode (its wall time is the host's launch and the previous step's
+    commit, its tokens those the previous step appended), or "settle" for the commit of an
+    async step before a synchronous one; block length 0 is a step in which nothing decoded
+    (prefills alone)."""
 
     cells: dict[tuple[str, int], list[float]] = field(default_factory=dict)
 
