@@ -550,8 +550,11 @@ def test_dflash_server_is_lossless_and_exports_acceptance(qwen3_path, tmp_path, 
     from blockspec.dflash.checkpoint import build_random_drafter
 
     drafter = build_random_drafter(tmp_path / "drafter", qwen3_path, num_layers=2, block_size=4)
-    # NOTE: block 4 alone, so every verify step drafts 3 tokens (the counts checked below)
-    eng = make_engine(qwen3_path, draft=str(drafter), block_size=4, block_sizes=(4,))
+    # NOTE: block 4 alone, so every verify step drafts 3 tokens (the counts checked below), and
+    # the fixed policy: the adaptive one chooses from step costs measured on this (maybe loaded)
+    # machine, and may decode plainly throughout (no verify step to count)
+    eng = make_engine(qwen3_path, draft=str(drafter), block_size=4, block_sizes=(4,),
+                      speculation_policy="fixed")
     kw = {"model": MODEL, "prompt": PROMPT, "max_tokens": 20, "temperature": 0,
           "ignore_eos": True}
     # the reference is the plain (no drafter) server's greedy text
