@@ -129,6 +129,16 @@ def main() -> int:
             assert "cubin" in compile_sm90(qg._quant_grouped_gemm, consts, dict(
                 a_ptr="*bf16", w_ptr=w, s_ptr=s, c_ptr="*bf16", scale_ptr="*fp32",
                 sorted_ptr="*i64", tile_expert_ptr="*i64"))
+    import blockspec.layers.mla_fused as mf
+
+    for interleaved in (True, False):  # DeepSeek-V3's 512 + 64 latent
+        consts = dict(LATENT=512, ROPE=64, HALF_BLOCK=32, LATENT_BLOCK=512,
+                      INTERLEAVED=interleaved)
+        kernel = compile_kernel_sm90(mf._mla_rope_norm_kernel, consts, dict(
+            q_ptr="*bf16", kv_ptr="*bf16", pos_ptr="*i64", cos_ptr="*fp32", sin_ptr="*fp32",
+            w_ptr="*bf16", q_out_ptr="*bf16", entry_ptr="*bf16", eps="fp32"),
+            num_warps=4, enable_fp_fusion=False)
+        assert "cubin" in kernel.asm
     print("compiled")
     return 0
 

@@ -6,7 +6,10 @@ values and the roped `qk_rope_head_dim` key shared by all heads (576 values for 
 Kimi-K2). Attention runs absorbed: each head's query no-rope part is mapped into the latent space
 (q_nope @ W_UK), so every head attends over the same cached latents (one KV head, K = V = the
 latent; the rope part of the value is dropped), and the output leaves the latent space through
-W_UV. That serves prefill, decode and verify alike from the paged latent cache.
+W_UV. That serves prefill, decode and verify alike from the paged latent cache. Between the
+projections and attention one fused op (layers/mla_fused.py) ropes and normalises into the
+attention query's and the cache entry's columns; DeepSeek's interleaved rope rows are put in
+rotate-half order at load (models/mla_rope_rows.py), where the checkpoint's format allows.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from blockspec.layers.attention import AttentionMetadata, PagedAttention
 from blockspec.layers.fused import rms_norm
 from blockspec.layers.fused_moe import fused_experts
 from blockspec.layers.linear import Linear
+from blockspec.layers.mla_fused import mla_rope_norm
 from blockspec.layers.moe import (
     count_experts,
     experts_reference,
@@ -28,6 +32,7 @@ from blockspec.layers.moe import (
 )
 from blockspec.layers.norm import RMSNorm
 from blockspec.layers.rotary import RotaryEmbedding, yarn_mscale
+from blockspec.models.mla_rope_rows import permute_rope_rows, permutes_rope_at_load
 from blockspec.models.qwen3 import MLP, CausalLM, DecoderModel
 
 # NOTE: the latent norms' epsilon is DeepSeek's RMSNorm default, not config.rms_norm_eps (which
@@ -66,6 +71,9 @@ class MLAttention(nn.Module):
         self.o_proj = Linear(self.num_heads * mla.v_head_dim, cfg.hidden_size,
                              bias=cfg.attention_bias)
         self.rotary = rotary
+        # NOTE: set from the load plan, which the loader follows (models/mla_rope_rows.py):
+        # rope rows already in rotate-half order skip the forward's de-interleave.
+        self.rope_rows_permuted = permutes_rope_at_load(cfg)
         # NOTE: one latent "KV head"; the runner binds the same tensor as K and V cache.
         self.attn = PagedAttention(self.num_heads, 1, mla.latent_dim, mla_softmax_scale(cfg))
 
@@ -77,31 +85,26 @@ class MLAttention(nn.Module):
             q = self.q_b_proj(rms_norm(self.q_a_proj(x), norm.weight, norm.eps))
         return q.view(-1, self.num_heads, self.qk_head_dim)
 
-    def _rope(self, positions: torch.Tensor, q_pe: torch.Tensor, k_pe: torch.Tensor
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.mla.rope_interleave:
-            # NOTE: DeepSeek's weights pair dims (0, 1), (2, 3), ...: evens then odds is the
-            # rotate-half layout; q and k move alike, so their dot products are unchanged.
-            q_pe = torch.cat([q_pe[..., 0::2], q_pe[..., 1::2]], dim=-1)
-            k_pe = torch.cat([k_pe[..., 0::2], k_pe[..., 1::2]], dim=-1)
-        return self.rotary(positions, q_pe, k_pe)
-
     def forward(self, positions: torch.Tensor, x: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        mla, h = self.mla, self.num_heads
-        q_nope, q_pe = self._queries(x).split([mla.qk_nope_head_dim, mla.qk_rope_head_dim], -1)
-        latent, k_pe = self.kv_a_proj_with_mqa(x).split([mla.kv_lora_rank, mla.qk_rope_head_dim],
-                                                        dim=-1)
+        mla, h, t = self.mla, self.num_heads, x.shape[0]
+        nope, rank = mla.qk_nope_head_dim, mla.kv_lora_rank
+        q = self._queries(x)
+        kv = self.kv_a_proj_with_mqa(x)
+        w_uk, w_uv = self.kv_b_proj.weight.view(h, -1, rank).split([nope, mla.v_head_dim], dim=1)
+        # NOTE: the attention query [absorbed q_nope, roped q_pe] and the cache entry [normed
+        # latent, roped k_pe] are written in place into their column slices (no concatenation).
+        q_attn = x.new_empty(t, h, mla.latent_dim)
+        entry = x.new_empty(t, 1, mla.latent_dim)
+        torch.bmm(q[..., :nope].transpose(0, 1), w_uk, out=q_attn[..., :rank].transpose(0, 1))
         norm = self.kv_a_layernorm
-        latent = rms_norm(latent.contiguous(), norm.weight, norm.eps)
-        q_pe, k_pe = self._rope(positions, q_pe, k_pe[:, None, :])
-        w_uk, w_uv = self.kv_b_proj.weight.view(h, -1, mla.kv_lora_rank).split(
-            [mla.qk_nope_head_dim, mla.v_head_dim], dim=1)
-        q = torch.cat([torch.einsum("thn,hnl->thl", q_nope, w_uk), q_pe], dim=-1)
-        entry = torch.cat([latent[:, None, :], k_pe], dim=-1)
-        out = self.attn(q, entry, entry, meta)[..., :mla.kv_lora_rank]
-        out = torch.einsum("thl,hvl->thv", out, w_uv)
-        return self.o_proj(out.reshape(-1, h * mla.v_head_dim))
+        mla_rope_norm(q[..., nope:], kv, positions, self.rotary.cos_cache,
+                      self.rotary.sin_cache, norm.weight, norm.eps, q_attn[..., rank:], entry,
+                      interleaved=mla.rope_interleave and not self.rope_rows_permuted)
+        out = self.attn(q_attn, entry, entry, meta)[..., :rank]
+        o = x.new_empty(t, h, mla.v_head_dim)
+        torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2), out=o.transpose(0, 1))
+        return self.o_proj(o.view(t, h * mla.v_head_dim))
 
 
 class TopkRouter(nn.Module):
@@ -197,8 +200,16 @@ class DeepseekV3ForCausalLM(CausalLM):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.rope_rows_permuted = permutes_rope_at_load(cfg)  # the layers' plan, too
         # NOTE: a plain list (the layers own them): read after every engine step, not walked.
         self.moe_layers = [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, MoE)]
+
+    def prepare_checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Checkpoint tensor `name` as the model stores it (the loader's hook): the rope rows of
+        the q and kv_a projections in rotate-half order when the load plan reorders them."""
+        if not self.rope_rows_permuted:
+            return tensor
+        return permute_rope_rows(self.config, name, tensor)
 
     def expert_counts(self) -> torch.Tensor:
         """[distinct routed experts selected, MoE layer forwards], summed over every MoE layer

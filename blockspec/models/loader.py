@@ -137,6 +137,9 @@ def copy_weight(model: nn.Module, name: str, tensor: torch.Tensor,
     expert = _EXPERT.match(name)
     if expert is not None:
         return _copy_expert(expert, tensor, params)
+    prepare = getattr(model, "prepare_checkpoint_tensor", None)
+    if prepare is not None:  # NOTE: a model's own load-time reordering (MLA's rope rows)
+        tensor = prepare(name, tensor)
     target, shard = _map_name(name, getattr(model, "packed_modules", {}))
     param = params[target]
     if shard is None:
