@@ -125,10 +125,15 @@ def main() -> int:
             consts = dict(FORMAT=qg.FORMATS[fmt], GROUP_N=group[0], GROUP_K=group[1], TOP_K=8,
                           A_PER_TOKEN=per_token, SCALE=scale, NUM_EXPERTS=384, BLOCK_M=block_m,
                           BLOCK_N=64, BLOCK_K=128 if fmt == "int4" else 64,
-                          SPLIT=fmt == "int4")
-            assert "cubin" in compile_sm90(qg._quant_grouped_gemm, consts, dict(
-                a_ptr="*bf16", w_ptr=w, s_ptr=s, c_ptr="*bf16", scale_ptr="*fp32",
-                sorted_ptr="*i64", tile_expert_ptr="*i64"))
+                          SPLIT=fmt == "int4", DEQUANT=0, VALUE_DTYPE=tl.float32)
+            # int4's dequantizations (quant_gemm.DEQUANTS), each as bf16 activations take it
+            dequants = ((1, tl.float32), (2, tl.bfloat16), (3, tl.bfloat16), (3, tl.float16))
+            for dequant, value_dtype in ((0, tl.float32),) + dequants * (fmt == "int4"):
+                consts.update(DEQUANT=dequant, VALUE_DTYPE=value_dtype)
+                act = "*fp16" if value_dtype == tl.float16 else "*bf16"
+                assert "cubin" in compile_sm90(qg._quant_grouped_gemm, consts, dict(
+                    a_ptr=act, w_ptr=w, s_ptr=act if fmt == "int4" else s, c_ptr=act,
+                    scale_ptr="*fp32", sorted_ptr="*i64", tile_expert_ptr="*i64"))
     print("compiled")
     return 0
 
