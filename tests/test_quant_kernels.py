@@ -127,24 +127,24 @@ def test_quant_experts_match_the_reference(fmt, t):
                                experts_ref(x, weights, ids, *dense), **TOL)
 
 
-DEQUANTS = ["magic", "magic16", "magic16x2"]  # int4's dequantizations besides "convert"
+DEQUANTS = [d for d in qg.DEQUANTS if d != "convert"]
 # NOTE: Triton's interpreter stores bf16 as uint16: it has no bf16 arithmetic or bf16 tl.dot and
 # it truncates fp32 -> bf16. Here bf16 tiles run only through fp32 ("convert", "magic") and are
-# compared with each other; the GPU check run (benchmarks/quant_gpu_checks.py, check
-# "int4_dequants") compares every dequantization in bf16 there.
+# compared with each other; the GPU check run (benchmarks/quant_gpu_checks.py, check_dequants)
+# compares every dequantization in bf16 there.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
-def _int4_tile_kernel(w_ptr, s_ptr, out_ptr, k, DEQUANT: tl.constexpr,
+def _int4_tile_kernel(w_ptr, s_ptr, out_ptr, k, DEQUANT: tl.constexpr, MAGIC: tl.constexpr,
                       VALUE_DTYPE: tl.constexpr, GROUP_K: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
     """The kernel's dequantized int4 tiles of a [BLOCK_N, k] weight, as tl.dot takes them."""
     cols = tl.arange(0, BLOCK_N)
     col_ok = cols < BLOCK_N
     for k0 in range(0, k, BLOCK_K):
-        w = qg._weight_tile(w_ptr + cols * (k // 8), k0, k, col_ok, 0, DEQUANT, VALUE_DTYPE,
-                            BLOCK_N, BLOCK_K)
+        w = qg._weight_tile(w_ptr + cols * (k // 8), k0, k, col_ok, 0, DEQUANT, MAGIC,
+                            VALUE_DTYPE, BLOCK_N, BLOCK_K)
         w = qg._scaled(w, s_ptr + cols * (k // GROUP_K), k0, k, col_ok, GROUP_K, BLOCK_N,
                        BLOCK_K, SPLIT)
         kk = k0 + tl.arange(0, BLOCK_K)
@@ -152,11 +152,10 @@ def _int4_tile_kernel(w_ptr, s_ptr, out_ptr, k, DEQUANT: tl.constexpr,
 
 
 def int4_tiles(w: QuantWeight, act: torch.dtype, dequant: str, block_k: int) -> torch.Tensor:
-    number, value_dtype = qg._dequant(w, act, dequant)
     block_k, split = qg._k_tile(block_k, w.group[1])
     out = torch.empty(w.n, w.k, dtype=act)
-    _int4_tile_kernel[(1,)](w.data, w.scale, out, w.k, DEQUANT=number, VALUE_DTYPE=value_dtype,
-                            GROUP_K=w.group[1], BLOCK_N=w.n, BLOCK_K=block_k, SPLIT=split)
+    _int4_tile_kernel[(1,)](w.data, w.scale, out, w.k, GROUP_K=w.group[1], BLOCK_N=w.n,
+                            BLOCK_K=block_k, SPLIT=split, **qg._dequant(w, act, dequant))
     return out
 
 
@@ -173,7 +172,7 @@ def test_int4_tiles_are_quant_dequant_weights(dequant, act, scale, group, block_
     in 32)."""
     w = int4((32,), 384, group, torch.Generator().manual_seed(group + block_k), scale)
     bf16_interpreted = INTERPRETED and act == torch.bfloat16
-    if bf16_interpreted and qg._dequant(w, act, dequant)[1] == tl.bfloat16:
+    if bf16_interpreted and qg._dequant(w, act, dequant)["VALUE_DTYPE"] == tl.bfloat16:
         pytest.skip("the interpreter has no bf16 arithmetic (see INTERPRETED)")
     out = int4_tiles(w, act, dequant, block_k)
     assert torch.equal(out, int4_tiles(w, act, "convert", block_k))
@@ -199,9 +198,7 @@ def test_int4_dequants_match_convert_in_gemms(act, scale, dequant):
     out = fused_experts_quant(x, weights.to(act), ids, gate_up, down, tiles=new)
     assert torch.equal(out, fused_experts_quant(x, weights.to(act), ids, gate_up, down,
                                                 tiles=old))
-    dense = int4((48,), 256, 128, g, scale)
-    torch.testing.assert_close(quant_linear(x[:, :1].expand(t, 256), dense, new),
-                               quant_linear(x[:, :1].expand(t, 256), dense, old), rtol=0,
-                               atol=0)
+    dense, xd = int4((48,), 256, 128, g, scale), torch.randn(t, 256, generator=g).to(act)
+    assert torch.equal(quant_linear(xd, dense, new), quant_linear(xd, dense, old))
     torch.testing.assert_close(out.float(), experts_ref(
         x.float(), weights, ids, ref_int4(gate_up), ref_int4(down)), atol=2e-2, rtol=2e-2)
