@@ -7,10 +7,15 @@ quantized model runs on a GPU:
    replayed on new routing.
 2. Dense layers (MLA's q_b_proj, o_proj shapes) through quant_linear == F.linear over the
    dequantized weight, at 1, 16 and 300 rows.
-3. `--tune`: the routed experts' time (CUDA-graph replay) and bytes/s at 1, 8 and 64 tokens for
-   each tile shape in TUNE_TILES, and the bf16 grouped GEMMs' at the same shape and routing.
+3. int4's dequantizations (quant_gemm.DEQUANTS) == "convert"'s, bit for bit, in bf16 with
+   random bf16 scales: routed experts at Kimi's shape and a dense layer.
+4. `--tune [FORMAT ...]` (all formats if none named): the routed experts' time (CUDA-graph
+   replay) and bytes/s at TUNE_TOKENS for each tile shape in TUNE_TILES (int4: also its other
+   dequantizations at DEQUANT_TILES), and the bf16 grouped GEMMs' at the same shape and routing;
+   int4 ends with the fastest dequantization per token count and the config to make
+   quant_gemm.DEFAULT_TILES["int4"].
 
-Usage: python benchmarks/quant_gpu_checks.py [--out FILE]
+Usage: python benchmarks/quant_gpu_checks.py [--out FILE] [--tune [int4] [fp8]]
 """
 
 from __future__ import annotations
@@ -29,12 +34,25 @@ from blockspec.bench.moe_shapes import random_routing
 from blockspec.layers.fused_moe import fused_experts
 from blockspec.layers.moe import experts_reference, select_experts
 from blockspec.layers.quant_dequant import DequantizedExperts, QuantWeight, dequantize
-from blockspec.layers.quant_gemm import Tiles, fused_experts_quant, quant_linear
+from blockspec.layers.quant_gemm import (
+    DEFAULT_TILES,
+    DEQUANTS,
+    Tiles,
+    fused_experts_quant,
+    quant_linear,
+)
 
 H, INTER, TOP_K = 7168, 2048, 8
+TUNE_TOKENS = (1, 8, 16, 32, 64)
 TUNE_TILES = [Tiles(n, k, w) for n, k, w in ((32, 128, 4), (64, 64, 4), (64, 128, 4),
                                               (64, 256, 4), (64, 256, 8), (128, 128, 4),
                                               (128, 128, 8), (128, 256, 8))]
+# NOTE: int4's other dequantizations at four of the fastest "convert" tiles of the 9c019dd run
+# (each within 15% of its best at 1, 8 and 64 tokens), to bound the compiles; "magic" (fp32) is
+# checked, not timed: for bf16 scales it adds two conversions per value (sm_90 PTX).
+MAGIC = [d for d in DEQUANTS if d != "convert"]
+DEQUANT_TILES = [Tiles(n, k, w, d) for d in MAGIC if d != "magic"
+                 for n, k, w in ((32, 128, 4), (64, 128, 4), (128, 128, 4), (128, 256, 8))]
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -102,8 +120,41 @@ def check_dense(fmt: str, report: dict) -> None:
     assert all(v < 2e-2 for v in errs.values())
 
 
+def check_dequants(report: dict) -> None:
+    """Each int4 dequantization's output == "convert"'s (same tile shape, so the same dot)."""
+    g = torch.Generator(device="cuda").manual_seed(6)
+
+    def weight(shape, k):
+        w = random_weight("int4", shape, k, g)
+        return w._replace(scale=(torch.rand(w.scale.shape, device="cuda", generator=g) * 2
+                                 / k**0.5).to(torch.bfloat16))
+
+    gate_up, down = weight((384, 2 * INTER), H), weight((384, H), INTER)
+    dense = weight((H,), 64 * 128)
+    base = DEFAULT_TILES["int4"]
+    equal = {}
+    for t in (1, 300):  # a decode step's tiles and a prefill's (dense: DENSE_BLOCK_M rows)
+        x, w, ids, _ = random_routing(t, H, 384, TOP_K, "cuda", g)
+        xd = torch.randn(t, dense.k, device="cuda", dtype=torch.bfloat16, generator=g)
+        old = fused_experts_quant(x, w, ids, gate_up, down, tiles=base._replace(dequant="convert"))
+        old_dense = quant_linear(xd, dense, base._replace(dequant="convert"))
+        for d in MAGIC:
+            tiles = base._replace(dequant=d)
+            equal[f"{d}_experts_t{t}"] = torch.equal(
+                fused_experts_quant(x, w, ids, gate_up, down, tiles=tiles), old)
+            equal[f"{d}_linear_m{t}"] = torch.equal(quant_linear(xd, dense, tiles), old_dense)
+    report["int4_dequants_equal"] = equal
+    print(f"int4 dequantizations == convert: {equal}")
+    assert all(equal.values())
+
+
 def weight_bytes(w: QuantWeight) -> int:
     return w.data.numel() * w.data.element_size() + w.scale.numel() * w.scale.element_size()
+
+
+def config_name(tiles: Tiles) -> str:
+    name = f"{tiles.block_n}x{tiles.block_k}w{tiles.num_warps}"
+    return name if tiles.dequant == "convert" else f"{name}_{tiles.dequant}"
 
 
 def tune(fmt: str, num_experts: int, report: dict) -> None:
@@ -113,44 +164,73 @@ def tune(fmt: str, num_experts: int, report: dict) -> None:
     per_expert = (weight_bytes(gate_up) + weight_bytes(down)) / num_experts
     bf16 = (torch.randn(num_experts, 2 * INTER, H, device="cuda", dtype=torch.bfloat16),
             torch.randn(num_experts, H, INTER, device="cuda", dtype=torch.bfloat16))
+    configs = TUNE_TILES + DEQUANT_TILES * (fmt == "int4")
     rows = []
-    for t in (1, 8, 64):
+    for t in TUNE_TOKENS:
         x, w, ids, distinct = random_routing(t, H, num_experts, TOP_K, "cuda", g)
         row = {"tokens": t, "experts": distinct,
                "bf16_ms": graph_ms(lambda x=x, w=w, ids=ids, ref=bf16: fused_experts(x, w, ids,
                                                                                     *ref))}
-        for tiles in TUNE_TILES:
-            name = f"{tiles.block_n}x{tiles.block_k}w{tiles.num_warps}"
+        for tiles in configs:
             try:
                 ms = graph_ms(lambda x=x, w=w, ids=ids, tiles=tiles: fused_experts_quant(
                     x, w, ids, gate_up, down, tiles=tiles))
             except Exception as e:  # noqa: BLE001 - e.g. out of shared memory: not a choice
-                row[name] = {"error": repr(e)[:200]}
+                row[config_name(tiles)] = {"error": repr(e)[:200]}
                 continue
-            row[name] = {"ms": ms, "GBps": distinct * per_expert / (ms * 1e-3) / 1e9}
+            row[config_name(tiles)] = {"ms": ms, "GBps": distinct * per_expert / (ms * 1e-3)
+                                       / 1e9}
         rows.append(row)
         best = min((k for k, v in row.items() if isinstance(v, dict) and "ms" in v),
                    key=lambda k: row[k]["ms"])
         print(f"{fmt} experts, {t} tokens ({distinct} experts): bf16 {row['bf16_ms']:.3f} ms; "
               f"best {best} {row[best]['ms']:.3f} ms ({row[best]['GBps']:.0f} GB/s)", flush=True)
     report[f"{fmt}_experts_tiles"] = rows
+    if fmt == "int4":
+        report["int4_dequant_choice"] = dequant_choice(rows, configs)
     del bf16
     torch.cuda.empty_cache()
+
+
+def dequant_choice(rows: list[dict], configs: list[Tiles]) -> dict:
+    """Per token count, each dequantization's fastest tile; and the config whose slowest ratio
+    to the fastest at each token count is least (the candidate for DEFAULT_TILES["int4"])."""
+    ms = {c: [r[config_name(c)].get("ms", float("inf")) for r in rows] for c in configs}
+    fastest = [min(v[i] for v in ms.values()) for i in range(len(rows))]
+    per_tokens = []
+    for i, r in enumerate(rows):
+        best = {d: min((c for c in configs if c.dequant == d), key=lambda c: ms[c][i])
+                for d in dict.fromkeys(c.dequant for c in configs)}
+        per_tokens.append({"tokens": r["tokens"], **{d: {"tiles": config_name(c),
+                                                         "ms": ms[c][i]}
+                                                     for d, c in best.items()}})
+        line = ", ".join(f"{d} {ms[c][i]:.3f} ({config_name(c)})" for d, c in best.items())
+        print(f"int4 {r['tokens']} tokens, fastest per dequantization (ms): {line}")
+    worst = {c: max(m / f for m, f in zip(ms[c], fastest)) for c in configs}
+    pick = min(configs, key=worst.get)
+    print(f"int4 candidate default: {pick} (at most {worst[pick]:.2f}x the fastest at "
+          f"{TUNE_TOKENS} tokens); convert's best: "
+          f"{min((c for c in configs if c.dequant == 'convert'), key=worst.get)}")
+    return {"per_tokens": per_tokens, "candidate": pick._asdict(),
+            "candidate_worst_ratio": worst[pick]}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="quant_gpu_checks.json")
-    ap.add_argument("--tune", action="store_true", help="also time the experts' tile shapes")
+    ap.add_argument("--tune", nargs="*", choices=("int4", "fp8"), default=None,
+                    help="also time the experts' tile shapes (of these formats; all if none)")
     args = ap.parse_args()
     report = check_report("benchmarks/quant_gpu_checks.py")
     checks = {"check_0": lambda: check_experts("int4", 384, report),
               "check_1": lambda: check_experts("fp8", 256, report),
               "check_2": lambda: check_dense("int4", report),
-              "check_3": lambda: check_dense("fp8", report)}
-    if args.tune:
-        checks.update(tune_int4=lambda: tune("int4", 384, report),
-                      tune_fp8=lambda: tune("fp8", 256, report))
+              "check_3": lambda: check_dense("fp8", report),
+              "check_4": lambda: check_dequants(report)}
+    if args.tune is not None:
+        for fmt in args.tune or ("int4", "fp8"):
+            checks[f"tune_{fmt}"] = lambda fmt=fmt: tune(fmt, 384 if fmt == "int4" else 256,
+                                                         report)
     ok = run_checks(checks, report)
     report["all_passed"] = ok
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")

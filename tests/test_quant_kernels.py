@@ -4,11 +4,17 @@ on CPU; the torch dequantization against compressed-tensors' own unpacking."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+import blockspec.layers.quant_gemm as qg  # noqa: E402
 from blockspec.layers.fused_moe import BLOCK_M  # noqa: E402
 from blockspec.layers.moe import select_experts  # noqa: E402
 from blockspec.layers.quant_dequant import (  # noqa: E402
@@ -17,7 +23,7 @@ from blockspec.layers.quant_dequant import (  # noqa: E402
     dequantize_int4,
     unpack_int4,
 )
-from blockspec.layers.quant_gemm import fused_experts_quant, quant_linear  # noqa: E402
+from blockspec.layers.quant_gemm import Tiles, fused_experts_quant, quant_linear  # noqa: E402
 
 TOL = dict(atol=1e-4, rtol=1e-4)
 
@@ -119,3 +125,80 @@ def test_quant_experts_match_the_reference(fmt, t):
         ids = torch.stack([torch.full((t,), 5), torch.full((t,), 2)], dim=1)
     torch.testing.assert_close(fused_experts_quant(x, weights, ids, gate_up, down),
                                experts_ref(x, weights, ids, *dense), **TOL)
+
+
+DEQUANTS = [d for d in qg.DEQUANTS if d != "convert"]
+# NOTE: Triton's interpreter stores bf16 as uint16: it has no bf16 arithmetic or bf16 tl.dot and
+# it truncates fp32 -> bf16. Here bf16 tiles run only through fp32 ("convert", "magic") and are
+# compared with each other; the GPU check run (benchmarks/quant_gpu_checks.py, check_dequants)
+# compares every dequantization in bf16 there.
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _int4_tile_kernel(w_ptr, s_ptr, out_ptr, k, DEQUANT: tl.constexpr, MAGIC: tl.constexpr,
+                      VALUE_DTYPE: tl.constexpr, GROUP_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
+    """The kernel's dequantized int4 tiles of a [BLOCK_N, k] weight, as tl.dot takes them."""
+    cols = tl.arange(0, BLOCK_N)
+    col_ok = cols < BLOCK_N
+    for k0 in range(0, k, BLOCK_K):
+        w = qg._weight_tile(w_ptr + cols * (k // 8), k0, k, col_ok, 0, DEQUANT, MAGIC,
+                            VALUE_DTYPE, BLOCK_N, BLOCK_K)
+        w = qg._scaled(w, s_ptr + cols * (k // GROUP_K), k0, k, col_ok, GROUP_K, BLOCK_N,
+                       BLOCK_K, SPLIT)
+        kk = k0 + tl.arange(0, BLOCK_K)
+        tl.store(out_ptr + cols[:, None] * k + kk[None, :], w.to(out_ptr.dtype.element_ty))
+
+
+def int4_tiles(w: QuantWeight, act: torch.dtype, dequant: str, block_k: int) -> torch.Tensor:
+    block_k, split = qg._k_tile(block_k, w.group[1])
+    out = torch.empty(w.n, w.k, dtype=act)
+    _int4_tile_kernel[(1,)](w.data, w.scale, out, w.k, GROUP_K=w.group[1], BLOCK_N=w.n,
+                            BLOCK_K=block_k, SPLIT=split, **qg._dequant(w, act, dequant))
+    return out
+
+
+@pytest.mark.parametrize("group, block_k", [(32, 128), (64, 128), (128, 128), (128, 64),
+                                            (96, 128)])
+@pytest.mark.parametrize("act, scale", [(torch.bfloat16, torch.bfloat16),
+                                        (torch.float16, torch.float16),
+                                        (torch.float16, torch.bfloat16)])
+@pytest.mark.parametrize("dequant", DEQUANTS)
+def test_int4_tiles_are_quant_dequant_weights(dequant, act, scale, group, block_k):
+    """Each dequantization's tile == "convert"'s == the exact product rounded once to the
+    activations' dtype, which is quant_dequant's dense weight where the scales share that dtype;
+    tiles of whole groups (32, 64), of one (128), and inside one (128 in 64-column tiles, 96
+    in 32)."""
+    w = int4((32,), 384, group, torch.Generator().manual_seed(group + block_k), scale)
+    bf16_interpreted = INTERPRETED and act == torch.bfloat16
+    if bf16_interpreted and qg._dequant(w, act, dequant)["VALUE_DTYPE"] == tl.bfloat16:
+        pytest.skip("the interpreter has no bf16 arithmetic (see INTERPRETED)")
+    out = int4_tiles(w, act, dequant, block_k)
+    assert torch.equal(out, int4_tiles(w, act, "convert", block_k))
+    if not bf16_interpreted:
+        assert torch.equal(out, ref_int4(w).to(act))
+    if scale == act and not bf16_interpreted:
+        assert torch.equal(out, dequantize(w))
+
+
+@pytest.mark.parametrize("dequant", DEQUANTS)
+@pytest.mark.parametrize("act, scale", [(torch.float32, torch.float32),
+                                        (torch.float16, torch.float16),
+                                        (torch.float16, torch.bfloat16)])
+def test_int4_dequants_match_convert_in_gemms(act, scale, dequant):
+    """Routed experts and dense layers: each dequantization's GEMM == "convert"'s bit for bit
+    (the same tiles into the same dot), at group 32 and 64, and 128 with a tile inside it."""
+    g = torch.Generator().manual_seed(7)
+    e, h, i, t = 4, 128, 64, 5
+    gate_up, down = int4((e, 2 * i), h, 32, g, scale), int4((e, h), i, 64, g, scale)
+    x = torch.randn(t, h, generator=g).to(act)
+    weights, ids = select_experts(torch.randn(t, e, generator=g), None, 2, 1, 1, True, 2.5)
+    old, new = Tiles(32, 64, 4), Tiles(32, 64, 4, dequant)
+    out = fused_experts_quant(x, weights.to(act), ids, gate_up, down, tiles=new)
+    assert torch.equal(out, fused_experts_quant(x, weights.to(act), ids, gate_up, down,
+                                                tiles=old))
+    dense, xd = int4((48,), 256, 128, g, scale), torch.randn(t, 256, generator=g).to(act)
+    assert torch.equal(quant_linear(xd, dense, new), quant_linear(xd, dense, old))
+    torch.testing.assert_close(out.float(), experts_ref(
+        x.float(), weights, ids, ref_int4(gate_up), ref_int4(down)), atol=2e-2, rtol=2e-2)

@@ -63,6 +63,34 @@ def compile_mla(mla) -> None:
         seq_lens_ptr="*i32"))
 
 
+def compile_quant_gemm(qg, moe) -> None:
+    """The quantized GEMM for both formats and launches; int4's dequantizations
+    (quant_gemm.DEQUANTS) as bf16 activations and scales take them, and one as fp16's."""
+    import torch
+
+    for fmt, w, s, group in (("int4", "*i32", "*bf16", (1, 32)), ("fp8", "*fp8e4nv", "*fp32",
+                                                                   (128, 128))):
+        for per_token, scale, block_m in ((True, False, moe.BLOCK_M), (False, True, moe.BLOCK_M),
+                                          (True, False, qg.DENSE_BLOCK_M)):
+            consts = dict(FORMAT=qg.FORMATS[fmt], GROUP_N=group[0], GROUP_K=group[1], TOP_K=8,
+                          A_PER_TOKEN=per_token, SCALE=scale, NUM_EXPERTS=384, BLOCK_M=block_m,
+                          BLOCK_N=64, BLOCK_K=128 if fmt == "int4" else 64,
+                          SPLIT=fmt == "int4")
+            dequants = [("convert", torch.bfloat16)]
+            if fmt == "int4" and per_token and block_m == moe.BLOCK_M:
+                dequants = [(d, torch.bfloat16) for d in qg.DEQUANTS]
+            elif fmt == "int4" and scale:
+                dequants.append(("magic16x2_join", torch.float16))
+            for dequant, dtype in dequants:
+                act = "*fp16" if dtype == torch.float16 else "*bf16"
+                weight = qg.QuantWeight(fmt, torch.empty(0), torch.empty(0, dtype=dtype), group,
+                                        128)
+                consts.update(qg._dequant(weight, dtype, dequant))
+                assert "cubin" in compile_sm90(qg._quant_grouped_gemm, consts, dict(
+                    a_ptr=act, w_ptr=w, s_ptr=act if fmt == "int4" else s, c_ptr=act,
+                    scale_ptr="*fp32", sorted_ptr="*i64", tile_expert_ptr="*i64"))
+
+
 def main() -> int:
     import triton
     import triton.language as tl
@@ -118,17 +146,7 @@ def main() -> int:
             scaling="fp32"))
     import blockspec.layers.quant_gemm as qg
 
-    for fmt, w, s, group in (("int4", "*i32", "*bf16", (1, 32)), ("fp8", "*fp8e4nv", "*fp32",
-                                                                   (128, 128))):
-        for per_token, scale, block_m in ((True, False, moe.BLOCK_M), (False, True, moe.BLOCK_M),
-                                          (True, False, qg.DENSE_BLOCK_M)):
-            consts = dict(FORMAT=qg.FORMATS[fmt], GROUP_N=group[0], GROUP_K=group[1], TOP_K=8,
-                          A_PER_TOKEN=per_token, SCALE=scale, NUM_EXPERTS=384, BLOCK_M=block_m,
-                          BLOCK_N=64, BLOCK_K=128 if fmt == "int4" else 64,
-                          SPLIT=fmt == "int4")
-            assert "cubin" in compile_sm90(qg._quant_grouped_gemm, consts, dict(
-                a_ptr="*bf16", w_ptr=w, s_ptr=s, c_ptr="*bf16", scale_ptr="*fp32",
-                sorted_ptr="*i64", tile_expert_ptr="*i64"))
+    compile_quant_gemm(qg, moe)
     import blockspec.layers.mla_fused as mf
 
     for interleaved in (True, False):  # DeepSeek-V3's 512 + 64 latent

@@ -10,6 +10,13 @@ exact in fp32, then rounded once to the activations' dtype for tl.dot. With 16-b
 activations and scales of the same dtype (Kimi's bf16) that is quant_dequant's dense weight in
 that dtype, which rounds in the scale's dtype. Launch shapes depend on tensor shapes only and
 nothing reads back to the host, so CUDA graphs capture these launches.
+
+int4 has bit-identical dequantizations (Tiles.dequant, DEFAULT_TILES picks one): "convert"
+(int -> fp32 conversions, an fp32 multiply, a cast); "magic" (each nibble ORed into an fp32
+mantissa, FasterTransformer's and Marlin's trick: no int -> float conversion); "magic16" (the
+same in the 16-bit activations' dtype, the scale multiply in that dtype where the scales share
+it: one rounding of a product exact in fp32, as above); "*_join" (the tile assembled by tl.join,
+see _unpacked), "magic16x2_join" masking two nibbles per int op.
 """
 
 from __future__ import annotations
@@ -25,26 +32,32 @@ from blockspec.layers.quant_dequant import QuantWeight
 
 FORMATS = {"int4": 0, "fp8": 1}
 DENSE_BLOCK_M = 64  # rows per tile for dense layers past a decode step's few rows
+# int4's dequantizations (_int4_values); the GPU check run times them (quant_gpu_checks --tune)
+DEQUANTS = {"convert": 0, "magic": 1, "magic16": 2, "convert_join": 3, "magic16_join": 4,
+            "magic16x2_join": 5}
 
 
 class Tiles(NamedTuple):
-    """A weight tile's shape and the warps of a program: (BLOCK_N, BLOCK_K, num_warps)."""
+    """A weight tile's shape, the warps of a program and int4's dequantization (a DEQUANTS
+    key; fp8 ignores it): (BLOCK_N, BLOCK_K, num_warps, dequant)."""
 
     block_n: int
     block_k: int
     num_warps: int
+    dequant: str = "convert"
 
 
 # NOTE: the fastest tiles of `benchmarks/quant_gpu_checks.py --tune` on an H200 at 64 tokens
-# (within 13% of the best at 1 and 8; docs/benchmarks.md).
-DEFAULT_TILES = {"int4": Tiles(64, 128, 4), "fp8": Tiles(64, 128, 4)}
+# (within 13% of the best at 1 and 8; docs/benchmarks.md). int4's dequantization stays
+# "convert" until that run has timed the magic variants against it (issue 23).
+DEFAULT_TILES = {"int4": Tiles(64, 128, 4, "convert"), "fp8": Tiles(64, 128, 4)}
 
 
 @triton.jit
 def _scaled(q, s_rows, k0, k, col_ok, GROUP_K: tl.constexpr, BLOCK_N: tl.constexpr,
             BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
-    """The tile q [BLOCK_N, BLOCK_K] at input column k0 times its weight scales, fp32: one
-    scale per row where the tile lies in one group along k, else (SPLIT: whole groups of a
+    """The tile q [BLOCK_N, BLOCK_K] at input column k0 times its weight scales, in q's dtype:
+    one scale per row where the tile lies in one group along k, else (SPLIT: whole groups of a
     power-of-two size in the tile) one per (row, group).
 
     NOTE: one load per (row, group), broadcast in registers: a load per weight value (a gather
@@ -54,17 +67,76 @@ def _scaled(q, s_rows, k0, k, col_ok, GROUP_K: tl.constexpr, BLOCK_N: tl.constex
         g = k0 // GROUP_K + tl.arange(0, BLOCK_K // GROUP_K)
         s = tl.load(s_rows[:, None] + g[None, :],
                     mask=col_ok[:, None] & (g < tl.cdiv(k, GROUP_K))[None, :], other=0.0)
-        s = tl.broadcast_to(s.to(tl.float32)[:, :, None], [BLOCK_N, BLOCK_K // GROUP_K, GROUP_K])
+        s = tl.broadcast_to(s.to(q.dtype)[:, :, None], [BLOCK_N, BLOCK_K // GROUP_K, GROUP_K])
         out = q * tl.reshape(s, [BLOCK_N, BLOCK_K])
     else:
-        out = q * tl.load(s_rows + k0 // GROUP_K, mask=col_ok, other=0.0).to(tl.float32)[:, None]
+        out = q * tl.load(s_rows + k0 // GROUP_K, mask=col_ok, other=0.0).to(q.dtype)[:, None]
     return out
 
 
 @triton.jit
-def _weight_tile(w_rows, k0, k, col_ok, FORMAT: tl.constexpr, BLOCK_N: tl.constexpr,
+def _nibble(words, j, MAGIC: tl.constexpr):
+    """Nibble j of each word: minus 8 (MAGIC 0), or ORed into the bits of the float MAGIC; a
+    MAGIC of two 16-bit halves masks nibbles j % 4 and j % 4 + 4 in one op (one per half) and
+    takes half j // 4."""
+    if MAGIC == 0:
+        out = ((words >> (4 * j)) & 0xF) - 8
+    elif MAGIC > 0xFFFF and MAGIC != 0x4B000000:
+        out = (((words >> (4 * (j % 4))) & 0x000F000F) | MAGIC) >> (16 * (j // 4))
+    else:
+        out = ((words >> (4 * j)) & 0xF) | MAGIC
+    return out
+
+
+@triton.jit
+def _unpacked(words, MAGIC: tl.constexpr, JOIN: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr):
+    """_nibble of each nibble of the words [BLOCK_N, BLOCK_K / 8], [BLOCK_N, BLOCK_K] int32 in
+    column order (nibble j of word w is column 8w + j).
+
+    NOTE: JOIN assembles the tile by tl.join, whose new dim lies in each thread ([.., i, j, c]
+    is nibble 4i + 2j + c), so each word's values stay in its thread in column order and reach
+    shared memory for tl.dot in 16-byte stores; the broadcast over 8 shifts and its reshape
+    compile to one 2-byte store per value (sm_90 PTX of the 64 x 128 tile)."""
+    if JOIN:
+        even = tl.join(tl.join(_nibble(words, 0, MAGIC), _nibble(words, 4, MAGIC)),
+                       tl.join(_nibble(words, 2, MAGIC), _nibble(words, 6, MAGIC)))
+        odd = tl.join(tl.join(_nibble(words, 1, MAGIC), _nibble(words, 5, MAGIC)),
+                      tl.join(_nibble(words, 3, MAGIC), _nibble(words, 7, MAGIC)))
+        out = tl.reshape(tl.join(even, odd), [BLOCK_N, BLOCK_K])
+    else:
+        q = _nibble(words[:, :, None], tl.arange(0, 8)[None, None, :], MAGIC)
+        out = tl.reshape(q, [BLOCK_N, BLOCK_K])
+    return out
+
+
+@triton.jit
+def _int4_values(words, DEQUANT: tl.constexpr, MAGIC: tl.constexpr, VALUE_DTYPE: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """nibble - 8 of the words [BLOCK_N, BLOCK_K / 8], [BLOCK_N, BLOCK_K] in VALUE_DTYPE, exact
+    in every dequantization (DEQUANTS; MAGIC as _dequant sets it).
+
+    The magic ones OR each nibble into the mantissa of a float whose ulp is 1 (fp32 0x4B000000
+    = 2^23, bf16 0x4300 = 128, fp16 0x6400 = 1024) and subtract that float + 8: int ops and a
+    float subtraction, no int -> float conversion."""
+    q = _unpacked(words, MAGIC, DEQUANT >= 3, BLOCK_N, BLOCK_K)
+    if MAGIC == 0:
+        out = q.to(tl.float32)
+    elif VALUE_DTYPE == tl.float32:
+        out = q.to(tl.float32, bitcast=True) - 8388616.0
+    else:
+        bias: tl.constexpr = 136.0 if VALUE_DTYPE == tl.bfloat16 else 1032.0
+        # the int16 cast keeps the low half, where _nibble put the value
+        out = q.to(tl.int16).to(VALUE_DTYPE, bitcast=True) - tl.full([1, 1], bias, VALUE_DTYPE)
+    return out
+
+
+@triton.jit
+def _weight_tile(w_rows, k0, k, col_ok, FORMAT: tl.constexpr, DEQUANT: tl.constexpr,
+                 MAGIC: tl.constexpr, VALUE_DTYPE: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr):
-    """The quantized values of the [BLOCK_N, BLOCK_K] tile at input column k0, fp32.
+    """The quantized values of the [BLOCK_N, BLOCK_K] tile at input column k0: int4 in
+    VALUE_DTYPE (_int4_values), fp8 in fp32.
 
     NOTE: read along k, the rows' contiguous dimension, so the loads coalesce; int4 words are
     read once ([BLOCK_N, BLOCK_K / 8]) and unpacked in registers: a [BLOCK_K, BLOCK_N] gather
@@ -73,13 +145,13 @@ def _weight_tile(w_rows, k0, k, col_ok, FORMAT: tl.constexpr, BLOCK_N: tl.conste
         kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
         words = tl.load(w_rows[:, None] + kw[None, :],
                         mask=col_ok[:, None] & (kw < tl.cdiv(k, 8))[None, :], other=0)
-        shifts = tl.arange(0, 8) * 4
-        q = tl.reshape((words[:, :, None] >> shifts[None, None, :]) & 0xF, [BLOCK_N, BLOCK_K])
-        return (q - 8).to(tl.float32)
-    kk = k0 + tl.arange(0, BLOCK_K)
-    q = tl.load(w_rows[:, None] + kk[None, :], mask=col_ok[:, None] & (kk < k)[None, :],
-                other=0.0)
-    return q.to(tl.float32)
+        out = _int4_values(words, DEQUANT, MAGIC, VALUE_DTYPE, BLOCK_N, BLOCK_K)
+    else:
+        kk = k0 + tl.arange(0, BLOCK_K)
+        q = tl.load(w_rows[:, None] + kk[None, :], mask=col_ok[:, None] & (kk < k)[None, :],
+                    other=0.0)
+        out = q.to(tl.float32)
+    return out
 
 
 @triton.jit
@@ -88,7 +160,9 @@ def _quant_grouped_gemm(a_ptr, w_ptr, s_ptr, c_ptr, scale_ptr, sorted_ptr, tile_
                         stride_cm, FORMAT: tl.constexpr, GROUP_N: tl.constexpr,
                         GROUP_K: tl.constexpr, TOP_K: tl.constexpr, A_PER_TOKEN: tl.constexpr,
                         SCALE: tl.constexpr, NUM_EXPERTS: tl.constexpr, BLOCK_M: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr):
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
+                        DEQUANT: tl.constexpr, MAGIC: tl.constexpr,
+                        VALUE_DTYPE: tl.constexpr):
     """C[slot, :] = A[row of slot] @ dequant(W[expert]).T (times scale[slot]), one tile."""
     expert = tl.load(tile_expert_ptr + tl.program_id(0))
     if expert >= NUM_EXPERTS:
@@ -102,8 +176,9 @@ def _quant_grouped_gemm(a_ptr, w_ptr, s_ptr, c_ptr, scale_ptr, sorted_ptr, tile_
         kk = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(a_ptr + rows[:, None].to(tl.int64) * stride_am + kk[None, :],
                     mask=valid[:, None] & (kk < k)[None, :], other=0.0)
-        w = _scaled(_weight_tile(w_rows, k0, k, col_ok, FORMAT, BLOCK_N, BLOCK_K), s_rows, k0,
-                    k, col_ok, GROUP_K, BLOCK_N, BLOCK_K, SPLIT)
+        w = _scaled(_weight_tile(w_rows, k0, k, col_ok, FORMAT, DEQUANT, MAGIC, VALUE_DTYPE,
+                                 BLOCK_N, BLOCK_K), s_rows, k0, k, col_ok, GROUP_K, BLOCK_N,
+                    BLOCK_K, SPLIT)
         acc += tl.dot(a, tl.trans(w.to(a.dtype)), out_dtype=tl.float32)
     if SCALE:
         acc *= tl.load(scale_ptr + slots, mask=valid, other=0.0)[:, None]
@@ -122,6 +197,25 @@ def _k_tile(block_k: int, group_k: int) -> tuple[int, bool]:
         raise NotImplementedError(f"quantization groups of {group_k} input columns: the kernel "
                                   "takes powers of two or multiples of 16")
     return block_k, False
+
+
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def _dequant(w: QuantWeight, a_dtype: torch.dtype, dequant: str) -> dict:
+    """The kernel's DEQUANT, MAGIC (0: "convert*", else the float whose mantissa takes the
+    nibble) and VALUE_DTYPE (the values' and the scale multiply's dtype): for "magic16*" the
+    activations' where they and the scales share a 16-bit dtype, where one rounding equals
+    quant_dequant's (the product is exact in fp32); fp32 otherwise and for fp8."""
+    number = DEQUANTS[dequant] if w.fmt == "int4" else 0
+    value_dtype = tl.float32
+    if number and "magic16" in dequant and a_dtype in _TL_DTYPES and w.scale.dtype == a_dtype:
+        value_dtype = _TL_DTYPES[a_dtype]
+    magic = 0 if number in (0, 3) else 0x4B000000
+    if value_dtype != tl.float32:
+        magic = (0x4300 if value_dtype == tl.bfloat16 else 0x6400) * (0x10001 if number == 5
+                                                                       else 1)
+    return dict(DEQUANT=number, MAGIC=magic, VALUE_DTYPE=value_dtype)
 
 
 def quant_grouped(a: torch.Tensor, w: QuantWeight, slots: Slots, per_token: bool,
@@ -145,7 +239,8 @@ def quant_grouped(a: torch.Tensor, w: QuantWeight, slots: Slots, per_token: bool
         data.stride(-2), s.stride(0) if experts > 1 else 0, s.stride(-2), out.stride(0),
         FORMAT=FORMATS[w.fmt], GROUP_N=w.group[0], GROUP_K=w.group[1], TOP_K=slots.top_k,
         A_PER_TOKEN=per_token, SCALE=scale is not None, NUM_EXPERTS=experts, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, num_warps=tiles.num_warps)
+        BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, num_warps=tiles.num_warps,
+        **_dequant(w, a.dtype, tiles.dequant))
     return out
 
 
@@ -163,8 +258,9 @@ def fused_experts_quant(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tenso
                        stats)
 
 
-def quant_linear(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
-    """x [..., K] @ dequant(w).T -> [..., N] in x's dtype (no bias)."""
+def quant_linear(x: torch.Tensor, w: QuantWeight, tiles: Tiles | None = None) -> torch.Tensor:
+    """x [..., K] @ dequant(w).T -> [..., N] in x's dtype (no bias); `tiles` as in
+    quant_grouped."""
     a = x.reshape(-1, x.shape[-1]).contiguous()
     m = a.shape[0]
     block_m = BLOCK_M if m <= BLOCK_M else DENSE_BLOCK_M
@@ -173,5 +269,5 @@ def quant_linear(x: torch.Tensor, w: QuantWeight) -> torch.Tensor:
     rows = torch.arange(p, device=a.device)
     slots = Slots(torch.where(rows < m, rows, m),
                   torch.zeros(p // block_m, dtype=torch.int64, device=a.device), m, 1)
-    return quant_grouped(a, w, slots, True, None, block_m).view(*x.shape[:-1], w.n)
+    return quant_grouped(a, w, slots, True, None, block_m, tiles).view(*x.shape[:-1], w.n)
 
