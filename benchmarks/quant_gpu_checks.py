@@ -132,7 +132,12 @@ def check_dequants(report: dict) -> None:
     gate_up, down = weight((384, 2 * INTER), H), weight((384, H), INTER)
     dense = weight((H,), 64 * 128)
     base = DEFAULT_TILES["int4"]
-    equal = {}
+    equal, diff = {}, {}
+
+    def same(key: str, got: torch.Tensor, want: torch.Tensor) -> None:
+        equal[key] = torch.equal(got, want)
+        diff[key] = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
+
     for t in (1, 300):  # a decode step's tiles and a prefill's (dense: DENSE_BLOCK_M rows)
         x, w, ids, _ = random_routing(t, H, 384, TOP_K, "cuda", g)
         xd = torch.randn(t, dense.k, device="cuda", dtype=torch.bfloat16, generator=g)
@@ -140,11 +145,12 @@ def check_dequants(report: dict) -> None:
         old_dense = quant_linear(xd, dense, base._replace(dequant="convert"))
         for d in MAGIC:
             tiles = base._replace(dequant=d)
-            equal[f"{d}_experts_t{t}"] = torch.equal(
-                fused_experts_quant(x, w, ids, gate_up, down, tiles=tiles), old)
-            equal[f"{d}_linear_m{t}"] = torch.equal(quant_linear(xd, dense, tiles), old_dense)
+            same(f"{d}_experts_t{t}", fused_experts_quant(x, w, ids, gate_up, down, tiles=tiles),
+                 old)
+            same(f"{d}_linear_m{t}", quant_linear(xd, dense, tiles), old_dense)
     report["int4_dequants_equal"] = equal
-    print(f"int4 dequantizations == convert: {equal}")
+    report["int4_dequants_max_rel_diff"] = diff
+    print(f"int4 dequantizations == convert: {equal}; max |diff| / max |convert|: {diff}")
     assert all(equal.values())
 
 
