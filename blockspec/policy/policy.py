@@ -202,9 +202,8 @@ class SpeculationPolicy:
         """The wall time a probe step took beyond a plain step at `batch_size` (its verify, its
         drafting and its catch-up, host included): later probes there are budgeted at no less.
         NOTE: the modelled price leaves out what the profile does not time (the catch-up's
-        host work, the drafter's first run after a detached stretch): on an H200 at a=0.6,
-        B=256 a probe cost 4x its modelled extra, and the probes 2% of the plain streaks'
-        time against the 0.5% budget (docs/benchmarks.md, "Closed loop")."""
+        host work, the drafter's first run after a detached stretch), which can be several
+        times the modelled extra at large batches (docs/benchmarks.md, "Where the steps go")."""
         self._probe_excess[batch_size] = max(0.0, excess)
 
     def _end_plain_streak(self) -> None:
