@@ -47,23 +47,31 @@ def profile_step(llm, n: int, ctx: int, iters: int = 10) -> dict:
     total = sum(r[1] for r in rows)
     return {"n": n, "ctx": ctx, "gpu_us_per_step": total,
             "top": [{"kernel": k, "us_per_step": round(t, 1), "calls_per_step": c}
-                    for k, t, c in rows[:25]]}
+                    for k, t, c in rows[:40]]}
 
 
-def profile_moonlight(tmp: Path, out: Path) -> int:
+def profile_moe(tmp: Path, out: Path, kimi_int4: bool) -> int:
+    """AR at batch 1 on the Moonlight shape, and with `kimi_int4` on the Kimi-K2.6-width slice
+    with INT4 experts (benchmarks/moe_bench.py's stage of that name)."""
     from blockspec import LLM
-    from blockspec.bench.moe_shapes import MOONLIGHT, write_moe_folders
+    from blockspec.bench.moe_shapes import KIMI_INT4, MOONLIGHT, kimi_slice, write_moe_folders
 
-    target, _ = write_moe_folders(tmp, "moonlight", MOONLIGHT)
-    llm = LLM(str(target), device="cuda", dtype="bfloat16", load_format="dummy",
-              max_model_len=2048, kv_cache_memory_gb=4, max_num_seqs=32, enforce_eager=True,
-              enable_prefix_caching=False)
-    res = {"device": torch.cuda.get_device_name(), "moonlight_ar_b1":
-           profile_step(llm, 1, INPUT_LEN + 128)}
-    r = res["moonlight_ar_b1"]
-    print(f"== moonlight ar_b1: {r['gpu_us_per_step']:.0f} us of kernels per step")
-    for row in r["top"]:
-        print(f"  {row['us_per_step']:8.1f} us  x{row['calls_per_step']:4d}  {row['kernel']}")
+    shapes = {"moonlight_ar_b1": ("moonlight", MOONLIGHT)}
+    if kimi_int4:
+        shapes["kimi_int4_ar_b1"] = ("kimi-int4", {**kimi_slice(6),
+                                                   "quantization_config": KIMI_INT4})
+    res: dict = {"device": torch.cuda.get_device_name()}
+    for key, (name, shape) in shapes.items():
+        target, _ = write_moe_folders(tmp, name, shape)
+        llm = LLM(str(target), device="cuda", dtype="bfloat16", load_format="dummy",
+                  max_model_len=2048, kv_cache_memory_gb=4, max_num_seqs=32,
+                  enforce_eager=True, enable_prefix_caching=False)
+        r = res[key] = profile_step(llm, 1, INPUT_LEN + 128)
+        print(f"== {key}: {r['gpu_us_per_step']:.0f} us of kernels per step")
+        for row in r["top"]:
+            print(f"  {row['us_per_step']:8.1f} us  x{row['calls_per_step']:4d}  {row['kernel']}")
+        del llm
+        torch.cuda.empty_cache()
     out.write_text(json.dumps(res, indent=2) + "\n")
     return 0
 
@@ -73,10 +81,12 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--moonlight", action="store_true",
                     help="AR at batch 1 on the Moonlight-16B-A3B shape (MLA + MoE) only")
+    ap.add_argument("--kimi-int4", action="store_true",
+                    help="with --moonlight: also the Kimi-K2.6-width slice with INT4 experts")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp())
     if args.moonlight:
-        return profile_moonlight(tmp, Path(args.out))
+        return profile_moe(tmp, Path(args.out), args.kimi_int4)
     target, drafter = write_folders(tmp)
     res: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     ctx = INPUT_LEN + 128

@@ -91,6 +91,27 @@ def compile_quant_gemm(qg, moe) -> None:
                     scale_ptr="*fp32", sorted_ptr="*i64", tile_expert_ptr="*i64"))
 
 
+def compile_moe_decode() -> None:
+    """The decode-step experts' two kernels for bf16, int4 (bf16 scales) and fp8 weights."""
+    import blockspec.layers.moe_decode as md
+
+    for fmt, w, s, group in ((md.DENSE, "*bf16", "*bf16", (1, 1)), (md.INT4, "*i32", "*bf16",
+                                                                   (1, 32)),
+                             (md.FP8, "*fp8e4nv", "*fp32", (128, 128))):
+        common = dict(FORMAT=fmt, GROUP_N=group[0], GROUP_K=group[1], TOP_K=8)
+        tg, td = md.DEFAULT_TILES["gate_up"], md.DEFAULT_TILES["down"]
+        kernel = compile_kernel_sm90(md._gate_up_act_kernel, dict(
+            common, COUNT=True, S_PAD=8, BLOCK_N=tg.block_n, BLOCK_K=tg.block_k), dict(
+            x_ptr="*bf16", ids_ptr="*i64", w_ptr=w, s_ptr=s, act_ptr="*bf16",
+            stats_ptr="*i64"), num_warps=tg.num_warps, enable_fp_fusion=False)
+        assert "cubin" in kernel.asm
+        kernel = compile_kernel_sm90(md._down_sum_kernel, dict(
+            common, HAS_RES=True, BLOCK_N=td.block_n, BLOCK_K=td.block_k), dict(
+            act_ptr="*bf16", ids_ptr="*i64", wts_ptr="*bf16", w_ptr=w, s_ptr=s,
+            res_ptr="*bf16", out_ptr="*bf16"), num_warps=td.num_warps, enable_fp_fusion=False)
+        assert "cubin" in kernel.asm
+
+
 def main() -> int:
     import triton
     import triton.language as tl
@@ -147,6 +168,7 @@ def main() -> int:
     import blockspec.layers.quant_gemm as qg
 
     compile_quant_gemm(qg, moe)
+    compile_moe_decode()
     import blockspec.layers.mla_fused as mf
 
     for interleaved in (True, False):  # DeepSeek-V3's 512 + 64 latent

@@ -22,6 +22,7 @@ import triton.language as tl
 
 from blockspec.layers.fused import silu_and_mul
 from blockspec.layers.moe import count_experts
+from blockspec.layers.moe_decode import MAX_DECODE_SLOTS, decode_experts
 
 BLOCK_M = 16  # slots per tile: a decode step's few tokens per expert waste little of it
 
@@ -211,12 +212,24 @@ def _grouped(a: torch.Tensor, w: torch.Tensor, slots: Slots, per_token: bool,
     return out
 
 
-def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                  gate_up: torch.Tensor, down: torch.Tensor,
-                  stats: torch.Tensor | None = None) -> torch.Tensor:
-    """experts_reference's result through the grouped GEMMs: x [T, H], weights / ids [T, k],
-    gate_up [E, 2I, H], down [E, H, I] -> [T, H]; `stats` as in align_slots."""
+def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                    gate_up: torch.Tensor, down: torch.Tensor,
+                    stats: torch.Tensor | None = None) -> torch.Tensor:
+    """experts_reference's result through the grouped GEMMs, at any number of slots."""
     layers = (gate_up, down)
     return run_experts(x, weights, ids, gate_up.shape[0],
                        lambda a, layer, slots, per_token, scale:
                        _grouped(a, layers[layer], slots, per_token, scale), stats)
+
+
+def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                  gate_up: torch.Tensor, down: torch.Tensor,
+                  stats: torch.Tensor | None = None,
+                  residual: torch.Tensor | None = None) -> torch.Tensor:
+    """experts_reference's result (+ residual, in x's dtype): for a decode step's few slots the
+    GEMV kernels (moe_decode.py), else the grouped GEMMs. x [T, H], weights / ids [T, k],
+    gate_up [E, 2I, H], down [E, H, I] -> [T, H]; `stats` as in align_slots."""
+    if ids.numel() <= MAX_DECODE_SLOTS:
+        return decode_experts(x.contiguous(), weights, ids, gate_up, down, stats, residual)
+    out = grouped_experts(x, weights, ids, gate_up, down, stats)
+    return out if residual is None else out + residual

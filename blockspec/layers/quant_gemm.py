@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from blockspec.layers.fused_moe import BLOCK_M, Slots, run_experts, tile_slots
+from blockspec.layers.moe_decode import MAX_DECODE_SLOTS, decode_experts
 from blockspec.layers.quant_dequant import QuantWeight
 
 FORMATS = {"int4": 0, "fp8": 1}
@@ -249,16 +250,20 @@ def quant_grouped(a: torch.Tensor, w: QuantWeight, slots: Slots, per_token: bool
 
 def fused_experts_quant(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                         gate_up: QuantWeight, down: QuantWeight,
-                        stats: torch.Tensor | None = None, tiles: Tiles | None = None
-                        ) -> torch.Tensor:
-    """experts_reference over the dequantized experts, as two quantized grouped GEMMs:
-    x [T, H], weights / ids [T, k], gate_up [E, 2I, H], down [E, H, I] -> [T, H]; `stats` as
-    in fused_moe.align_slots, `tiles` as in quant_grouped."""
+                        stats: torch.Tensor | None = None, tiles: Tiles | None = None,
+                        residual: torch.Tensor | None = None) -> torch.Tensor:
+    """experts_reference over the dequantized experts (+ residual), as two quantized grouped
+    GEMMs, or for a decode step's few slots the GEMV kernels (moe_decode.py): x [T, H],
+    weights / ids [T, k], gate_up [E, 2I, H], down [E, H, I] -> [T, H]; `stats` as in
+    fused_moe.align_slots, `tiles` as in quant_grouped (the grouped GEMMs only)."""
+    if ids.numel() <= MAX_DECODE_SLOTS and tiles is None:
+        return decode_experts(x.contiguous(), weights, ids, gate_up, down, stats, residual)
     layers = (gate_up, down)
-    return run_experts(x, weights, ids, gate_up.data.shape[0],
-                       lambda a, layer, slots, per_token, scale:
-                       quant_grouped(a, layers[layer], slots, per_token, scale, tiles=tiles),
-                       stats)
+    out = run_experts(x, weights, ids, gate_up.data.shape[0],
+                      lambda a, layer, slots, per_token, scale:
+                      quant_grouped(a, layers[layer], slots, per_token, scale, tiles=tiles),
+                      stats)
+    return out if residual is None else out + residual
 
 
 def quant_linear(x: torch.Tensor, w: QuantWeight, tiles: Tiles | None = None) -> torch.Tensor:

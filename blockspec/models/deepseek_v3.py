@@ -134,14 +134,17 @@ class Experts(nn.Module):
                                                   moe.moe_intermediate_size))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                backend: str, stats: torch.Tensor) -> torch.Tensor:
-        """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]): the grouped GEMMs ("triton") or
-        the torch reference; (distinct experts selected, 1) added to `stats`. Quantized twins
-        (models/quant_experts.py) take the same call."""
+                backend: str, stats: torch.Tensor,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) (+ residual, in x's dtype): the
+        Triton kernels ("triton") or the torch reference; (distinct experts selected, 1) added
+        to `stats`. Quantized twins (models/quant_experts.py) take the same call."""
         if backend == "triton":
-            return fused_experts(x, weights, ids, self.gate_up_proj, self.down_proj, stats)
+            return fused_experts(x, weights, ids, self.gate_up_proj, self.down_proj, stats,
+                                 residual)
         count_experts(ids, self.gate_up_proj.shape[0], stats)
-        return experts_reference(x, weights, ids, self.gate_up_proj, self.down_proj)
+        out = experts_reference(x, weights, ids, self.gate_up_proj, self.down_proj)
+        return out if residual is None else out + residual
 
 
 class MoE(nn.Module):
@@ -171,9 +174,11 @@ class MoE(nn.Module):
             weights, ids = select_experts(logits, self.gate.e_score_correction_bias,
                                           moe.num_experts_per_tok, moe.n_group, moe.topk_group,
                                           moe.norm_topk_prob, moe.routed_scaling_factor)
-        out = self.experts(x, weights.to(x.dtype), ids, self.experts_backend,
-                           self.expert_counts)
-        return out + self.shared_experts(x) if self.shared_experts is not None else out
+        # NOTE: the shared experts' output is added by the routed experts' kernel (one launch
+        # fewer), in x's dtype as `routed + shared` rounds.
+        shared = self.shared_experts(x) if self.shared_experts is not None else None
+        return self.experts(x, weights.to(x.dtype), ids, self.experts_backend,
+                            self.expert_counts, shared)
 
 
 class DecoderLayer(nn.Module):

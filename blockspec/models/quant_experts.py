@@ -31,13 +31,16 @@ class QuantExperts(nn.Module):
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                backend: str, stats: torch.Tensor) -> torch.Tensor:
+                backend: str, stats: torch.Tensor,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
         gate_up, down = self.weights()
         if kernel_ok(x, backend):
-            return fused_experts_quant(x, weights, ids, gate_up, down, stats)
+            return fused_experts_quant(x, weights, ids, gate_up, down, stats,
+                                       residual=residual)
         count_experts(ids, gate_up.data.shape[0], stats)
-        return experts_reference(x, weights, ids, DequantizedExperts(gate_up, x.dtype),
-                                 DequantizedExperts(down, x.dtype))
+        out = experts_reference(x, weights, ids, DequantizedExperts(gate_up, x.dtype),
+                                DequantizedExperts(down, x.dtype))
+        return out if residual is None else out + residual
 
 
 class Int4Experts(QuantExperts):

@@ -86,7 +86,8 @@ class GroupExperts(nn.Module):
         self.first, self.num_experts = first, num_experts
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                backend: str, stats: torch.Tensor) -> torch.Tensor:
+                backend: str, stats: torch.Tensor,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
         """Experts.forward's call; `stats` counts the distinct experts of all groups."""
         from blockspec.layers.fused_moe import fused_experts
         from blockspec.layers.moe import count_experts, experts_reference
@@ -97,4 +98,5 @@ class GroupExperts(nn.Module):
         local = torch.where(mine, local, torch.zeros_like(local))
         weights = weights * mine.to(weights.dtype)
         experts = fused_experts if backend == "triton" else experts_reference
-        return experts(x, weights, local, self.gate_up_proj, self.down_proj)
+        out = experts(x, weights, local, self.gate_up_proj, self.down_proj)
+        return out if residual is None else out + residual

@@ -1,0 +1,142 @@
+"""Tile sweeps of the batch-1 kernels of MoE targets on one GPU (benchmarks/kernel_tune.py):
+the decode-step experts (layers/moe_decode.py) against the grouped GEMMs at 1, 2 and 4 tokens,
+and the dense GEMV (layers/linear.py) per projection, at Moonlight's and Kimi K2.6's shapes.
+Each timing reads several layers' weights (more bytes than L2 holds) in one CUDA graph."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+
+import torch
+
+from blockspec.bench.gpu_timing import graph_ms
+from blockspec.layers.quant_dequant import QuantWeight
+
+__all__ = ["EXPERT_SHAPES", "GEMV_SHAPES", "sweep_decode_experts", "sweep_gemv"]
+
+# (experts, hidden, intermediate, top_k, int4)
+EXPERT_SHAPES = {"moonlight_bf16": (64, 2048, 1408, 6, False),
+                 "kimi_int4": (384, 7168, 2048, 8, True)}
+# per projection (N, K): Moonlight's attention (no q_lora), shared experts (2 x 1408), dense
+# layer, lm_head; Kimi K2.6's attention (q_lora 1536), shared expert, lm_head
+GEMV_SHAPES = {"moonlight": [(3072, 2048), (576, 2048), (2048, 2048), (5632, 2048),
+                             (2048, 2816), (22528, 2048), (2048, 11264), (163840, 2048)],
+               "kimi": [(2112, 7168), (12288, 1536), (7168, 8192), (4096, 7168), (7168, 2048),
+                        (163840, 7168)]}
+GEMV_GRID = [(bn, bk, w, 3) for bn, bk, w in itertools.product((2, 4, 8, 16, 32),
+                                                                (256, 512, 1024, 2048), (4, 8))
+             if bn * bk <= 32768]
+DECODE_GRID = [(bn, bk, w) for bn, bk, w in itertools.product((4, 8, 16, 32), (128, 256, 512),
+                                                               (4, 8))
+               if bn * bk <= 8192]
+L2_BYTES = 64 << 20
+
+
+def _experts(shape: tuple, layers: int, dev: torch.device) -> list[tuple]:
+    e, h, i, _, quant = shape
+    out = []
+    for _ in range(layers):
+        if quant:
+            words = [torch.randint(-(1 << 31), (1 << 31) - 1, (e, n, k // 8), dtype=torch.int32,
+                                   device=dev) for n, k in ((2 * i, h), (h, i))]
+            scales = [torch.rand(e, n, k // 32, device=dev, dtype=torch.bfloat16) * 0.01
+                      for n, k in ((2 * i, h), (h, i))]
+            out.append((QuantWeight("int4", words[0], scales[0], (1, 32), h),
+                        QuantWeight("int4", words[1], scales[1], (1, 32), i)))
+        else:
+            out.append((torch.randn(e, 2 * i, h, device=dev, dtype=torch.bfloat16) * 0.02,
+                        torch.randn(e, h, i, device=dev, dtype=torch.bfloat16) * 0.02))
+    return out
+
+
+def _routing(t: int, e: int, k: int, layers: int, dev: torch.device) -> list[tuple]:
+    g = torch.Generator(device=dev).manual_seed(t)
+    picks = [torch.stack([torch.randperm(e, device=dev, generator=g)[:k] for _ in range(t)])
+             for _ in range(layers)]
+    return [(ids, torch.rand(t, k, device=dev, generator=g).to(torch.bfloat16)) for ids in picks]
+
+
+def sweep_decode_experts(name: str, layers: int, dev: torch.device,
+                         log: Callable[[str], None] = print) -> dict:
+    """Every DECODE_GRID tile of each kernel (the other at its default) at 1 token, then the
+    best pair against the grouped GEMMs at 1, 2, 4 tokens; ms per layer."""
+    import blockspec.layers.fused_moe as fm
+    import blockspec.layers.moe_decode as md
+    import blockspec.layers.quant_gemm as qg
+
+    shape = EXPERT_SHAPES[name]
+    e, h, i, k, quant = shape
+    weights = _experts(shape, layers, dev)
+    x = torch.randn(4, h, device=dev, dtype=torch.bfloat16)
+
+    def decode(t: int, tiles: dict | None) -> float:
+        routes = _routing(t, e, k, layers, dev)
+        return graph_ms(lambda: [md.decode_experts(x[:t], w, ids, gu, dn, tiles=tiles)
+                                 for (ids, w), (gu, dn) in zip(routes, weights)]) / layers
+
+    # NOTE: explicit tiles keep fused_experts_quant on the grouped GEMMs at any size
+    run = (lambda *a: qg.fused_experts_quant(*a, tiles=qg.DEFAULT_TILES["int4"])) if quant \
+        else fm.grouped_experts
+
+    def grouped(t: int) -> float:
+        routes = _routing(t, e, k, layers, dev)
+        return graph_ms(lambda: [run(x[:t], w, ids, gu, dn)
+                                 for (ids, w), (gu, dn) in zip(routes, weights)]) / layers
+
+    res: dict = {"shape": dict(zip(("experts", "hidden", "inter", "top_k", "int4"), shape)),
+                 "layers": layers}
+    best = {}
+    for kernel in ("gate_up", "down"):
+        rows = {}
+        for cfg in DECODE_GRID:
+            rows[str(list(cfg))] = decode(1, {kernel: md.GemvTiles(*cfg)})
+        best[kernel] = min(rows, key=rows.get)
+        res[f"{kernel}_ms_by_tiles"] = rows
+        log(f"{name} {kernel}: best {best[kernel]} {rows[best[kernel]]:.4f} ms/layer, default "
+            f"{rows.get(str(list(md.DEFAULT_TILES[kernel])), float('nan')):.4f}")
+    named = {str(list(cfg)): cfg for cfg in DECODE_GRID}
+    tiles = {kn: md.GemvTiles(*named[cfg]) for kn, cfg in best.items()}
+    res["best_tiles"] = {kn: list(v) for kn, v in tiles.items()}
+    res["by_tokens"] = []
+    for t in (1, 2, 4):
+        row = {"tokens": t, "decode_ms": decode(t, tiles), "grouped_ms": grouped(t)}
+        (ids, w), (gu, dn) = _routing(t, e, k, 1, dev)[0], weights[0]
+        ref = run(x[:t], w, ids, gu, dn).float()
+        diff = (md.decode_experts(x[:t], w, ids, gu, dn, tiles=tiles).float() - ref).abs().max()
+        row["max_rel_diff_vs_grouped"] = (diff / ref.abs().max()).item()
+        res["by_tokens"].append(row)
+        log(f"{name} T={t}: decode {row['decode_ms']:.4f} ms/layer, grouped "
+            f"{row['grouped_ms']:.4f}, max rel diff {row['max_rel_diff_vs_grouped']:.1e}")
+    return res
+
+
+def _gemv_row(n: int, k: int, dev: torch.device) -> dict:
+    from blockspec.layers.linear import gemv, gemv_config
+
+    copies = max(1, -(-L2_BYTES * 2 // (n * k * 2)))
+    ws = [torch.randn(n, k, device=dev, dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+    x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
+    y = torch.empty(1, n, device=dev, dtype=torch.bfloat16)
+    row = {"copies": copies,
+           "cublas": graph_ms(lambda: [torch.mm(x, w.t(), out=y) for w in ws]) / copies}
+    default = gemv_config(n, k)
+    for cfg in GEMV_GRID + ([default] if default else []):
+        if k % cfg[1] == 0 and str(list(cfg)) not in row:
+            row[str(list(cfg))] = graph_ms(lambda c=cfg: [gemv(x, w, c) for w in ws]) / copies
+    configs = {c: v for c, v in row.items() if c.startswith("[")}
+    row["best"] = min(configs, key=configs.get)
+    row["default"] = str(list(default)) if default else None
+    row["best_GBps"] = n * k * 2 / (configs[row["best"]] * 1e-3) / 1e9
+    return row
+
+
+def sweep_gemv(name: str, dev: torch.device, log: Callable[[str], None] = print) -> dict:
+    """cuBLAS, the default config and every GEMV_GRID config per (N, K); ms per weight."""
+    res = {}
+    for n, k in GEMV_SHAPES[name]:
+        row = res[f"{n}x{k}"] = _gemv_row(n, k, dev)
+        log(f"gemv {name} ({n}, {k}): cuBLAS {row['cublas'] * 1e3:.1f} us, default "
+            f"{row.get(row['default'], float('nan')) * 1e3:.1f} us, best {row['best']} "
+            f"{row[row['best']] * 1e3:.1f} us ({row['best_GBps']:.0f} GB/s)")
+    return res

@@ -1,0 +1,214 @@
+"""The routed experts of a decode step's few tokens as two GEMV kernels, without sorting:
+
+    act[s] = silu(W_gate[e_s] x[t_s]) * (W_up[e_s] x[t_s])       one program per (slot, rows)
+    out[t] = sum_j weight[t, j] * W_down[e_tj] act[t k + j] (+ residual[t])
+                                                                 one program per (token, rows)
+
+At a few (token, pick) slots the grouped GEMMs (fused_moe.py) are launch- and latency-bound:
+an alignment program, tensor-core tiles of 16 rows holding one, a silu launch and a sum over the
+picks. Here each slot streams its expert's rows once (the slot is the fastest grid axis, so
+slots that share an expert read the same rows at about the same time, from L2), the silu and
+the weighted sum over picks (and the shared experts' output, `residual`) are fused, and the
+distinct-expert count of MoE.expert_counts is taken by the first program. Weights are bf16/fp16
+tensors [E, N, K] or quant_dequant.QuantWeight (int4 / fp8), dequantized to exactly
+quant_gemm's tile values (rounded to the activations' dtype) before the products. Products and
+sums are fp32 and round where the grouped path rounds (after silu, after the product, per
+weighted pick, once for the sum), so only the summation order differs. Grids depend on shapes
+only and nothing reads back to the host: CUDA graphs capture it.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+from blockspec.layers.fused import _cast, _rnd
+from blockspec.layers.quant_dequant import QuantWeight
+
+# Slots (tokens x top_k) up to which fused_experts takes this path: decode at batch 1.
+MAX_DECODE_SLOTS = 8
+DENSE, INT4, FP8 = 0, 1, 2
+
+
+class GemvTiles(NamedTuple):
+    """(rows per program, input columns per iteration, warps) of one kernel."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+
+
+DEFAULT_TILES = {"gate_up": GemvTiles(16, 256, 4), "down": GemvTiles(8, 256, 4)}
+
+
+@triton.jit
+def _tile(w_base, s_base, rows, row_ok, k0, K, stride_wn, stride_sn, FORMAT: tl.constexpr,
+          GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, ACT: tl.constexpr,
+          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Weights [BLOCK_N, BLOCK_K / 8, 8] of `rows` x columns k0.. in fp32 (column 8w + j at
+    [., w, j]): as stored, or dequantized and rounded to ACT like quant_gemm's tiles."""
+    kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    j = tl.arange(0, 8)
+    kk = kw[:, None] * 8 + j[None, :]
+    ok = row_ok[:, None, None] & (kk < K)[None, :, :]
+    if FORMAT == 1:  # INT4
+        words = tl.load(w_base + rows[:, None].to(tl.int64) * stride_wn + kw[None, :],
+                        mask=row_ok[:, None] & (kw < tl.cdiv(K, 8))[None, :], other=0)
+        q = (((words[:, :, None] >> (4 * j[None, None, :])) & 0xF) - 8).to(tl.float32)
+        s = tl.load(s_base + rows[:, None].to(tl.int64) * stride_sn + (kw // (GROUP_K // 8))[
+            None, :], mask=row_ok[:, None] & (kw < tl.cdiv(K, 8))[None, :], other=0.0)
+        w = (q * s.to(tl.float32)[:, :, None]).to(ACT).to(tl.float32)
+    elif FORMAT == 2:  # FP8
+        q = tl.load(w_base + rows[:, None, None].to(tl.int64) * stride_wn + kk[None, :, :],
+                    mask=ok, other=0.0).to(tl.float32)
+        s = tl.load(s_base + (rows // GROUP_N)[:, None].to(tl.int64) * stride_sn
+                    + (kw * 8 // GROUP_K)[None, :],
+                    mask=row_ok[:, None] & (kw * 8 < K)[None, :], other=0.0)
+        w = (q * s[:, :, None]).to(ACT).to(tl.float32)
+    else:
+        w = tl.load(w_base + rows[:, None, None].to(tl.int64) * stride_wn + kk[None, :, :],
+                    mask=ok, other=0.0).to(tl.float32)
+    return w
+
+
+@triton.jit
+def _row_chunk(v_ptr, k0, K, BLOCK_K: tl.constexpr):
+    """v[k0 : k0 + BLOCK_K] as [BLOCK_K / 8, 8] fp32 (zero past K), _tile's column order."""
+    kk = (k0 // 8 + tl.arange(0, BLOCK_K // 8))[:, None] * 8 + tl.arange(0, 8)[None, :]
+    return tl.load(v_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _count_distinct(ids_ptr, stats_ptr, num_slots, S_PAD: tl.constexpr):
+    """stats += (distinct experts among the slots, 1)."""
+    i = tl.arange(0, S_PAD)
+    ok = i < num_slots
+    e = tl.load(ids_ptr + i, mask=ok, other=-1)
+    seen = (e[:, None] == e[None, :]) & (i[None, :] < i[:, None]) & ok[None, :]
+    first = ok & (tl.sum(seen.to(tl.int32), 1) == 0)
+    tl.atomic_add(stats_ptr, tl.sum(first.to(tl.int64), 0))
+    tl.atomic_add(stats_ptr + 1, 1)
+
+
+@triton.jit
+def _gate_up_act_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, act_ptr, stats_ptr, num_slots, inter, K,
+                        stride_xm, stride_we, stride_wn, stride_se, stride_sn,
+                        TOP_K: tl.constexpr, COUNT: tl.constexpr, S_PAD: tl.constexpr,
+                        FORMAT: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
+                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    slot = tl.program_id(0)
+    expert = tl.load(ids_ptr + slot).to(tl.int64)
+    x_row = x_ptr + (slot // TOP_K).to(tl.int64) * stride_xm
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = rows < inter
+    w_base, s_base = w_ptr + expert * stride_we, s_ptr + expert * stride_se
+    act_dtype = act_ptr.dtype.element_ty
+    acc_g = tl.zeros([BLOCK_N, BLOCK_K // 8, 8], dtype=tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_K // 8, 8], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        x = _row_chunk(x_row, k0, K, BLOCK_K)[None, :, :]
+        acc_g += _tile(w_base, s_base, rows, ok, k0, K, stride_wn, stride_sn, FORMAT, GROUP_N,
+                       GROUP_K, act_dtype, BLOCK_N, BLOCK_K) * x
+        acc_u += _tile(w_base, s_base, rows + inter, ok, k0, K, stride_wn, stride_sn, FORMAT,
+                       GROUP_N, GROUP_K, act_dtype, BLOCK_N, BLOCK_K) * x
+    gate = _rnd(tl.sum(tl.sum(acc_g, 2), 1), act_dtype)
+    up = _rnd(tl.sum(tl.sum(acc_u, 2), 1), act_dtype)
+    # rounded after silu and after the product, like `F.silu(gate) * up` (fused.silu_and_mul)
+    act = _rnd(gate / (1.0 + tl.exp(-gate)), act_dtype)
+    tl.store(act_ptr + slot.to(tl.int64) * inter + rows, _cast(act * up, act_dtype), mask=ok)
+    if COUNT:
+        if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+            _count_distinct(ids_ptr, stats_ptr, num_slots, S_PAD)
+
+
+@triton.jit
+def _down_sum_kernel(act_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, res_ptr, out_ptr, n, inter,
+                     stride_we, stride_wn, stride_se, stride_sn, stride_rm, stride_om,
+                     TOP_K: tl.constexpr, HAS_RES: tl.constexpr, FORMAT: tl.constexpr,
+                     GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
+    tok = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = rows < n
+    dtype = out_ptr.dtype.element_ty
+    total = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for p in range(TOP_K):
+        slot = tok * TOP_K + p
+        expert = tl.load(ids_ptr + slot).to(tl.int64)
+        w_base, s_base = w_ptr + expert * stride_we, s_ptr + expert * stride_se
+        acc = tl.zeros([BLOCK_N, BLOCK_K // 8, 8], dtype=tl.float32)
+        for k0 in range(0, inter, BLOCK_K):
+            a = _row_chunk(act_ptr + slot * inter, k0, inter, BLOCK_K)[None, :, :]
+            acc += _tile(w_base, s_base, rows, ok, k0, inter, stride_wn, stride_sn, FORMAT,
+                         GROUP_N, GROUP_K, dtype, BLOCK_N, BLOCK_K) * a
+        # NOTE: each weighted pick rounds once, the sum over picks once (run_experts' order).
+        total += _rnd(tl.sum(tl.sum(acc, 2), 1) * tl.load(wts_ptr + slot).to(tl.float32), dtype)
+    out = _rnd(total, dtype)
+    if HAS_RES:
+        out += tl.load(res_ptr + tok * stride_rm + rows, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + tok * stride_om + rows, _cast(out, dtype), mask=ok)
+
+
+class _Weight(NamedTuple):
+    data: torch.Tensor  # [E, N, K] values, or packed int4 words [E, N, K / 8]
+    scale: torch.Tensor  # [E, N / group_n, K / group_k] (a dummy for DENSE)
+    fmt: int
+    group: tuple[int, int]
+    n: int
+    k: int
+
+
+def _weight(w: torch.Tensor | QuantWeight) -> _Weight:
+    if isinstance(w, QuantWeight):
+        fmt = INT4 if w.fmt == "int4" else FP8
+        if fmt == INT4 and w.group[1] % 8:
+            raise NotImplementedError(f"int4 groups of {w.group[1]} columns: whole words only")
+        return _Weight(w.data, w.scale, fmt, w.group, w.n, w.k)
+    return _Weight(w, w, DENSE, (1, 1), w.shape[1], w.shape[2])
+
+
+def _strides(w: _Weight) -> tuple[int, int, int, int]:
+    return w.data.stride(0), w.data.stride(1), w.scale.stride(0), w.scale.stride(1)
+
+
+def _block_k(tiles: GemvTiles, w: _Weight) -> int:
+    """tiles.block_k, at most K rounded up to a power of two (scales are read per 8 columns,
+    so any tile width serves any group)."""
+    return min(tiles.block_k, max(16, triton.next_power_of_2(w.k)))
+
+
+def decode_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                   gate_up: torch.Tensor | QuantWeight, down: torch.Tensor | QuantWeight,
+                   stats: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+                   tiles: dict[str, GemvTiles] | None = None) -> torch.Tensor:
+    """experts_reference's result (+ residual) for a few slots: x [T, H] (rows contiguous),
+    weights / ids [T, k], gate_up [E, 2I, H], down [E, H, I] -> [T, H] in x's dtype; `stats`
+    as in fused_moe.align_slots, `tiles` overrides DEFAULT_TILES (a tuning run)."""
+    tiles = {**DEFAULT_TILES, **(tiles or {})}
+    t, top_k = ids.shape
+    gu, dn = _weight(gate_up), _weight(down)
+    inter, hidden = gu.n // 2, dn.n
+    assert x.stride(1) == 1 and x.shape[1] == gu.k and dn.k == inter
+    flat_ids = ids.reshape(-1).contiguous()
+    act = torch.empty(t * top_k, inter, dtype=x.dtype, device=x.device)
+    out = torch.empty(t, hidden, dtype=x.dtype, device=x.device)
+    if t == 0:
+        return out
+    tg, td = tiles["gate_up"], tiles["down"]
+    _gate_up_act_kernel[(t * top_k, triton.cdiv(inter, tg.block_n))](
+        x, flat_ids, gu.data, gu.scale, act, stats if stats is not None else flat_ids,
+        t * top_k, inter, gu.k, x.stride(0), *_strides(gu), TOP_K=top_k,
+        COUNT=stats is not None, S_PAD=max(2, triton.next_power_of_2(t * top_k)),
+        FORMAT=gu.fmt, GROUP_N=gu.group[0], GROUP_K=gu.group[1], BLOCK_N=tg.block_n,
+        BLOCK_K=_block_k(tg, gu), num_warps=tg.num_warps, enable_fp_fusion=False)
+    res = residual if residual is not None else out
+    _down_sum_kernel[(t, triton.cdiv(hidden, td.block_n))](
+        act, flat_ids, weights.reshape(-1).contiguous(), dn.data, dn.scale, res, out, hidden,
+        inter, *_strides(dn), res.stride(0), out.stride(0), TOP_K=top_k,
+        HAS_RES=residual is not None, FORMAT=dn.fmt, GROUP_N=dn.group[0], GROUP_K=dn.group[1],
+        BLOCK_N=td.block_n, BLOCK_K=_block_k(td, dn), num_warps=td.num_warps,
+        enable_fp_fusion=False)
+    return out

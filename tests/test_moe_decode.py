@@ -1,0 +1,78 @@
+"""The decode-step experts (layers/moe_decode.py: two GEMV kernels, no sorting) against the torch
+reference, for bf16-layout, int4 and fp8 weights, run by Triton's interpreter on CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import blockspec.layers.fused_moe as fm  # noqa: E402
+from blockspec.layers.moe import count_experts, experts_reference  # noqa: E402
+from blockspec.layers.moe_decode import GemvTiles, decode_experts  # noqa: E402
+from blockspec.layers.quant_dequant import dequantize  # noqa: E402
+from tests.test_quant_kernels import experts_ref, fp8, int4  # noqa: E402
+
+TOL = dict(atol=1e-4, rtol=1e-4)
+# small tiles: several programs along N and several iterations along K, partial last ones
+SMALL = {"gate_up": GemvTiles(8, 32, 2), "down": GemvTiles(4, 16, 1)}
+
+
+def dense_case(t: int, k: int, e: int = 8, h: int = 72, i: int = 40, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, h, generator=g)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    weights = torch.rand(t, k, generator=g)
+    gate_up = torch.randn(e, 2 * i, h, generator=g) / h**0.5
+    down = torch.randn(e, h, i, generator=g) / i**0.5
+    return x, weights, ids, gate_up, down
+
+
+@pytest.mark.parametrize("t,k", [(1, 1), (1, 6), (2, 3), (3, 2)])
+@pytest.mark.parametrize("tiles", [None, SMALL])
+def test_decode_experts_match_the_reference(t, k, tiles):
+    x, w, ids, gate_up, down = dense_case(t, k, seed=t * 10 + k)
+    torch.testing.assert_close(decode_experts(x, w, ids, gate_up, down, tiles=tiles),
+                               experts_reference(x, w, ids, gate_up, down), **TOL)
+
+
+def test_residual_is_added_and_distinct_experts_counted():
+    x, w, ids, gate_up, down = dense_case(3, 2, seed=7)
+    ids = torch.tensor([[4, 1], [1, 4], [6, 4]])  # experts shared across tokens: 3 distinct
+    res = torch.randn_like(x)
+    stats = torch.zeros(2, dtype=torch.int64)
+    out = decode_experts(x, w, ids, gate_up, down, stats=stats, residual=res, tiles=SMALL)
+    torch.testing.assert_close(out, experts_reference(x, w, ids, gate_up, down) + res, **TOL)
+    expect = torch.zeros(2, dtype=torch.int64)
+    count_experts(ids, 8, expect)
+    assert stats.tolist() == expect.tolist() == [3, 1]
+
+
+@pytest.mark.parametrize("fmt", ["int4", "fp8"])
+@pytest.mark.parametrize("tiles", [None, SMALL])
+def test_quantized_decode_experts_match_the_dequantized_reference(fmt, tiles):
+    g = torch.Generator().manual_seed(3)
+    e, h, i, t, k = 8, 96, 64, 2, 3
+    if fmt == "int4":
+        gate_up, down = int4((e, 2 * i), h, 32, g), int4((e, h), i, 32, g)
+    else:  # scale blocks straddling the tiles and a partial last block along each dim
+        gate_up, down = fp8((e, 2 * i), h, (16, 40), g), fp8((e, h), i, (24, 48), g)
+    x = torch.randn(t, h, generator=g)
+    ids = torch.tensor([[0, 5, 2], [5, 7, 1]])
+    weights = torch.rand(t, k, generator=g)
+    dense = [dequantize(w) for w in (gate_up, down)]
+    torch.testing.assert_close(decode_experts(x, weights, ids, gate_up, down, tiles=tiles),
+                               experts_ref(x, weights, ids, *dense), **TOL)
+
+
+def test_fused_experts_take_the_decode_path_up_to_its_slots(monkeypatch):
+    calls = []
+    real = fm.decode_experts
+    monkeypatch.setattr(fm, "decode_experts", lambda *a: calls.append(a[2].numel()) or real(*a))
+    for t in (1, 5):
+        x, w, ids, gate_up, down = dense_case(t, 2, seed=t)
+        res = torch.randn_like(x)
+        torch.testing.assert_close(fm.fused_experts(x, w, ids, gate_up, down, residual=res),
+                                   experts_reference(x, w, ids, gate_up, down) + res, **TOL)
+    assert calls == [2]  # 10 slots exceed MAX_DECODE_SLOTS: the grouped GEMMs
