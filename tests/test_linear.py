@@ -135,3 +135,23 @@ def test_engine_outputs_with_triton_matmuls(qwen3_path, drafter16, monkeypatch):
                  block_size=16)
     assert [o.token_ids for o in sp.generate(prompts, params)] == ref
     assert 16 in calls and 15 in calls  # a speculative step: 16 verify rows, 15 drafts
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_router_logits_are_fp32_of_the_inputs_as_given(dtype, monkeypatch):
+    """One row: the GEMV reads x in its dtype and the fp32 router weight, sums in fp32 (==
+    F.linear(x.float(), w) to fp32 reduction order); other shapes and the torch backend are
+    F.linear itself."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(1, 1024, generator=g).to(DEVICE, dtype)
+    w = (torch.randn(64, 1024, generator=g) / 32).to(DEVICE)
+    calls = []
+    real = lin.gemv
+    monkeypatch.setattr(lin, "gemv", lambda *a: calls.append(a[2]) or real(*a))
+    ref = F.linear(x.float(), w)
+    got = lin.router_logits(x, w, "triton")
+    assert got.dtype == torch.float32 and calls == [lin.ROUTER_CONFIG]
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    x3 = torch.randn(3, 1024, generator=g).to(DEVICE, dtype)
+    assert torch.equal(lin.router_logits(x3, w, "triton"), F.linear(x3.float(), w))
+    assert torch.equal(lin.router_logits(x, w, "torch"), ref) and len(calls) == 1

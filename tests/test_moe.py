@@ -75,3 +75,7 @@ def test_router_kernel_picks_what_torch_picks(t, e, k, n_group, topk_group, norm
     assert torch.equal(ids, ids0)
     torch.testing.assert_close(w, w0, atol=1e-6, rtol=1e-5)
     assert not routable(384, 8, 8) and not routable(2048, 8, 1)
+    # weights rounded in the kernel's store: what `.to(dtype)` of the fp32 weights gives
+    w16, ids16 = route(logits, b, k, n_group, topk_group, norm, 2.5, torch.float16)
+    assert w16.dtype == torch.float16 and torch.equal(ids16, ids0)
+    assert torch.equal(w16, w.to(torch.float16))

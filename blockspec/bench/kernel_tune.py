@@ -24,6 +24,7 @@ GEMV_SHAPES = {"moonlight": [(3072, 2048), (576, 2048), (2048, 2048), (5632, 204
                              (2048, 2816), (22528, 2048), (2048, 11264), (163840, 2048)],
                "kimi": [(2112, 7168), (12288, 1536), (7168, 8192), (4096, 7168), (7168, 2048),
                         (163840, 7168)]}
+ROUTER_SHAPES = {"moonlight": (64, 2048), "kimi": (384, 7168)}  # fp32 [E, H]
 GEMV_GRID = [(bn, bk, w, 3) for bn, bk, w in itertools.product((2, 4, 8, 16, 32),
                                                                 (256, 512, 1024, 2048), (4, 8))
              if bn * bk <= 32768]
@@ -131,9 +132,23 @@ def _gemv_row(n: int, k: int, dev: torch.device) -> dict:
     return row
 
 
+def _router_row(n: int, k: int, dev: torch.device) -> dict:
+    """The fp32 router: cuBLAS on x.float() against linear.router_logits (ms per layer)."""
+    import torch.nn.functional as F
+
+    from blockspec.layers.linear import router_logits
+
+    ws = [torch.randn(n, k, device=dev) * 0.02 for _ in range(8)]
+    x = torch.randn(1, k, device=dev, dtype=torch.bfloat16)
+    return {"cublas_on_cast": graph_ms(lambda: [F.linear(x.float(), w) for w in ws]) / 8,
+            "router_gemv": graph_ms(lambda: [router_logits(x, w, "triton") for w in ws]) / 8}
+
+
 def sweep_gemv(name: str, dev: torch.device, log: Callable[[str], None] = print) -> dict:
-    """cuBLAS, the default config and every GEMV_GRID config per (N, K); ms per weight."""
-    res = {}
+    """cuBLAS, the default config and every GEMV_GRID config per (N, K); ms per weight. And
+    the router's fp32 GEMV."""
+    res = {"router": _router_row(*ROUTER_SHAPES[name], dev)}
+    log(f"router {name}: {res['router']}")
     for n, k in GEMV_SHAPES[name]:
         row = res[f"{n}x{k}"] = _gemv_row(n, k, dev)
         log(f"gemv {name} ({n}, {k}): cuBLAS {row['cublas'] * 1e3:.1f} us, default "

@@ -110,9 +110,10 @@ def skinny(x: torch.Tensor, w: torch.Tensor,
     return y
 
 
-def gemv(x: torch.Tensor, w: torch.Tensor,
-         config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
-    """x [1, K] @ w [N, K]^T -> [1, N] in x's dtype (`config`: benchmarks sweep them)."""
+def gemv(x: torch.Tensor, w: torch.Tensor, config: tuple[int, int, int, int] | None = None,
+         out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x [1, K] @ w [N, K]^T -> [1, N] in `out_dtype` (x's by default), products and sums in
+    fp32 whatever the inputs' dtypes (`config`: benchmarks sweep them)."""
     m, k = x.shape
     n = w.shape[0]
     cfg = config or gemv_config(n, k)
@@ -121,10 +122,28 @@ def gemv(x: torch.Tensor, w: torch.Tensor,
         raise ValueError(f"gemv: unsupported shapes x {tuple(x.shape)}, w {tuple(w.shape)} "
                          f"(config {cfg})")
     bn, bk, warps, stages = cfg
-    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    y = torch.empty(1, n, dtype=out_dtype or x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, bn),)](x, w, y, n, k, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
                                         num_stages=stages, enable_fp_fusion=False)
     return y
+
+
+# NOTE: a router's few fp32 rows (64-384 experts) over many programs: 2 rows each.
+ROUTER_CONFIG = (2, 512, 4, 3)
+
+
+def router_logits(x: torch.Tensor, w: torch.Tensor, backend: str = "torch") -> torch.Tensor:
+    """F.linear(x.float(), w.float()): a MoE router's fp32 logits [T, E], as HF computes them.
+    With backend "triton" one row goes through `gemv`, reading x in its own dtype: no cast
+    launch, and one kernel where cuBLAS runs an fp32 GEMV as two (split-K and a reduce)."""
+    k = x.shape[-1]
+    cfg = _fit_block_k(ROUTER_CONFIG, k)
+    if backend == "triton" and x.numel() == k and cfg is not None and w.is_contiguous() \
+            and w.dtype == torch.float32 and triton is not None \
+            and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        return gemv(x.reshape(1, k).contiguous(), w, cfg, torch.float32).view(
+            *x.shape[:-1], w.shape[0])
+    return F.linear(x.float(), w.float())
 
 
 def _kernel_for(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None):

@@ -36,17 +36,20 @@ def select_experts_reference(router_logits: torch.Tensor,
 
 def select_experts(router_logits: torch.Tensor, correction_bias: torch.Tensor | None,
                    top_k: int, n_group: int, topk_group: int, norm_topk_prob: bool,
-                   routed_scaling_factor: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """select_experts_reference's picks; on a GPU one Triton program per token
-    (layers/moe_router.py) where its shapes allow, in place of ~10 small torch kernels."""
+                   routed_scaling_factor: float, weights_dtype: torch.dtype = torch.float32
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """select_experts_reference's picks, the weights rounded to `weights_dtype`; on a GPU one
+    Triton program per token (layers/moe_router.py) where its shapes allow, in place of ~10
+    small torch kernels and the cast."""
     args = (router_logits, correction_bias, top_k, n_group, topk_group, norm_topk_prob,
             routed_scaling_factor)
     if router_logits.is_cuda:
         from blockspec.layers.moe_router import routable, route
 
         if routable(router_logits.shape[1], top_k, n_group):
-            return route(*args)
-    return select_experts_reference(*args)
+            return route(*args, weights_dtype)
+    weights, ids = select_experts_reference(*args)
+    return weights.to(weights_dtype), ids
 
 
 def select_experts_softmax(router_logits: torch.Tensor, top_k: int, n_group: int,

@@ -9,6 +9,8 @@ import torch
 import triton
 import triton.language as tl
 
+from blockspec.layers.fused import _cast
+
 MAX_EXPERTS = 1024  # one row of scores in registers
 
 
@@ -67,17 +69,19 @@ def _route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, stride_l, scaling,
         biased = tl.where(e == j, float("-inf"), biased)
     if NORM:
         w = w / (tl.sum(w, 0) + 1e-20)
-    tl.store(weights_ptr + t * TOP_K + k, w * scaling, mask=k < TOP_K)
+    tl.store(weights_ptr + t * TOP_K + k, _cast(w * scaling, weights_ptr.dtype.element_ty),
+             mask=k < TOP_K)
     tl.store(ids_ptr + t * TOP_K + k, ids, mask=k < TOP_K)
 
 
 def route(router_logits: torch.Tensor, correction_bias: torch.Tensor | None, top_k: int,
-          n_group: int, topk_group: int, norm_topk_prob: bool, routed_scaling_factor: float
-          ) -> tuple[torch.Tensor, torch.Tensor]:
-    """select_experts_reference's (weights [T, top_k] fp32, ids [T, top_k] int64)."""
+          n_group: int, topk_group: int, norm_topk_prob: bool, routed_scaling_factor: float,
+          weights_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """select_experts_reference's (weights [T, top_k] fp32, ids [T, top_k] int64), the weights
+    rounded to `weights_dtype` in the kernel's store (no cast launch)."""
     t, e = router_logits.shape
     assert router_logits.stride(1) == 1 and routable(e, top_k, n_group)
-    weights = torch.empty(t, top_k, dtype=torch.float32, device=router_logits.device)
+    weights = torch.empty(t, top_k, dtype=weights_dtype, device=router_logits.device)
     ids = torch.empty(t, top_k, dtype=torch.int64, device=router_logits.device)
     if t:
         bias = correction_bias if correction_bias is not None else weights

@@ -15,14 +15,13 @@ rotate-half order at load (models/mla_rope_rows.py), where the checkpoint's form
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from blockspec.config import ModelConfig
 from blockspec.layers.attention import AttentionMetadata, PagedAttention
 from blockspec.layers.fused import rms_norm
 from blockspec.layers.fused_moe import fused_experts
-from blockspec.layers.linear import Linear
+from blockspec.layers.linear import Linear, router_logits
 from blockspec.layers.mla_fused import mla_rope_norm
 from blockspec.layers.moe import (
     count_experts,
@@ -165,7 +164,7 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         moe = self.moe
         # NOTE: the router in fp32, as HF computes it (bf16 logits would change the picks)
-        logits = F.linear(x.float(), self.gate.weight.float())
+        logits = router_logits(x, self.gate.weight, self.experts_backend)
         if moe.scoring_func == "softmax":
             weights, ids = select_experts_softmax(
                 logits, moe.num_experts_per_tok, moe.n_group, moe.topk_group,
@@ -173,7 +172,8 @@ class MoE(nn.Module):
         else:
             weights, ids = select_experts(logits, self.gate.e_score_correction_bias,
                                           moe.num_experts_per_tok, moe.n_group, moe.topk_group,
-                                          moe.norm_topk_prob, moe.routed_scaling_factor)
+                                          moe.norm_topk_prob, moe.routed_scaling_factor,
+                                          x.dtype)
         # NOTE: the shared experts' output is added by the routed experts' kernel (one launch
         # fewer), in x's dtype as `routed + shared` rounds.
         shared = self.shared_experts(x) if self.shared_experts is not None else None
