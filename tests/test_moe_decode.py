@@ -75,4 +75,21 @@ def test_fused_experts_take_the_decode_path_up_to_its_slots(monkeypatch):
         res = torch.randn_like(x)
         torch.testing.assert_close(fm.fused_experts(x, w, ids, gate_up, down, residual=res),
                                    experts_reference(x, w, ids, gate_up, down) + res, **TOL)
-    assert calls == [2]  # 10 slots exceed MAX_DECODE_SLOTS: the grouped GEMMs
+    assert calls == [2]  # 10 slots exceed MAX_DECODE_SLOTS for bf16: the grouped GEMMs
+
+
+def test_int4_magic_unpacking_equals_conversions_in_fp16():
+    """16-bit activations and scales: the magic-number unpacking (int and fp16 ops) gives the
+    weights the int -> fp32 conversions give, so the outputs are equal bit for bit."""
+    g = torch.Generator().manual_seed(5)
+    e, h, i = 8, 64, 32
+    gate_up = int4((e, 2 * i), h, 32, g, torch.float16)
+    down = int4((e, h), i, 32, g, torch.float16)
+    x = torch.randn(2, h, generator=g).half()
+    ids = torch.tensor([[3, 1], [1, 6]])
+    weights = torch.rand(2, 2, generator=g).half()
+    magic = decode_experts(x, weights, ids, gate_up, down)
+    assert torch.equal(magic, decode_experts(x, weights, ids, gate_up, down, dequant="convert"))
+    dense = [dequantize(w).half().float() for w in (gate_up, down)]
+    torch.testing.assert_close(magic.float(), experts_ref(x.float(), weights.float(), ids,
+                                                          *dense), atol=2e-2, rtol=2e-2)

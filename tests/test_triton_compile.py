@@ -92,14 +92,16 @@ def compile_quant_gemm(qg, moe) -> None:
 
 
 def compile_moe_decode() -> None:
-    """The decode-step experts' two kernels for bf16, int4 (bf16 scales) and fp8 weights."""
+    """The decode-step experts' two kernels for bf16, int4 (bf16 scales, "magic") and fp8
+    weights, in each format's default tiles."""
     import blockspec.layers.moe_decode as md
 
     for fmt, w, s, group in ((md.DENSE, "*bf16", "*bf16", (1, 1)), (md.INT4, "*i32", "*bf16",
                                                                    (1, 32)),
                              (md.FP8, "*fp8e4nv", "*fp32", (128, 128))):
-        common = dict(FORMAT=fmt, GROUP_N=group[0], GROUP_K=group[1], TOP_K=8)
-        tg, td = md.DEFAULT_TILES["gate_up"], md.DEFAULT_TILES["down"]
+        common = dict(FORMAT=fmt, GROUP_N=group[0], GROUP_K=group[1], TOP_K=8,
+                      MAGIC=0x4300 if fmt == md.INT4 else 0)
+        tg, td = md.DEFAULT_TILES[fmt]["gate_up"], md.DEFAULT_TILES[fmt]["down"]
         kernel = compile_kernel_sm90(md._gate_up_act_kernel, dict(
             common, COUNT=True, S_PAD=8, BLOCK_N=tg.block_n, BLOCK_K=tg.block_k), dict(
             x_ptr="*bf16", ids_ptr="*i64", w_ptr=w, s_ptr=s, act_ptr="*bf16",

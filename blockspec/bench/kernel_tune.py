@@ -23,12 +23,15 @@ EXPERT_SHAPES = {"moonlight_bf16": (64, 2048, 1408, 6, False),
 GEMV_SHAPES = {"moonlight": [(3072, 2048), (576, 2048), (2048, 2048), (5632, 2048),
                              (2048, 2816), (22528, 2048), (2048, 11264), (163840, 2048)],
                "kimi": [(2112, 7168), (12288, 1536), (7168, 8192), (4096, 7168), (7168, 2048),
-                        (163840, 7168)]}
+                        (163840, 7168)],
+               # the dense fast path's (issue 20): qkv, o, gate_up, down, lm_head
+               "qwen3_8b": [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288),
+                            (151936, 4096)]}
 ROUTER_SHAPES = {"moonlight": (64, 2048), "kimi": (384, 7168)}  # fp32 [E, H]
 GEMV_GRID = [(bn, bk, w, 3) for bn, bk, w in itertools.product((2, 4, 8, 16, 32),
                                                                 (256, 512, 1024, 2048), (4, 8))
              if bn * bk <= 32768]
-DECODE_GRID = [(bn, bk, w) for bn, bk, w in itertools.product((4, 8, 16, 32), (128, 256, 512),
+DECODE_GRID = [(bn, bk, w) for bn, bk, w in itertools.product((2, 4, 8, 16), (128, 256, 512),
                                                                (4, 8))
                if bn * bk <= 8192]
 L2_BYTES = 64 << 20
@@ -71,9 +74,10 @@ def sweep_decode_experts(name: str, layers: int, dev: torch.device,
     weights = _experts(shape, layers, dev)
     x = torch.randn(4, h, device=dev, dtype=torch.bfloat16)
 
-    def decode(t: int, tiles: dict | None) -> float:
+    def decode(t: int, tiles: dict | None, dequant: str = "magic") -> float:
         routes = _routing(t, e, k, layers, dev)
-        return graph_ms(lambda: [md.decode_experts(x[:t], w, ids, gu, dn, tiles=tiles)
+        return graph_ms(lambda: [md.decode_experts(x[:t], w, ids, gu, dn, tiles=tiles,
+                                                   dequant=dequant)
                                  for (ids, w), (gu, dn) in zip(routes, weights)]) / layers
 
     # NOTE: explicit tiles keep fused_experts_quant on the grouped GEMMs at any size
@@ -94,11 +98,15 @@ def sweep_decode_experts(name: str, layers: int, dev: torch.device,
             rows[str(list(cfg))] = decode(1, {kernel: md.GemvTiles(*cfg)})
         best[kernel] = min(rows, key=rows.get)
         res[f"{kernel}_ms_by_tiles"] = rows
+        default = md.DEFAULT_TILES[md.INT4 if quant else md.DENSE][kernel]
         log(f"{name} {kernel}: best {best[kernel]} {rows[best[kernel]]:.4f} ms/layer, default "
-            f"{rows.get(str(list(md.DEFAULT_TILES[kernel])), float('nan')):.4f}")
+            f"{rows.get(str(list(default)), float('nan')):.4f}")
     named = {str(list(cfg)): cfg for cfg in DECODE_GRID}
     tiles = {kn: md.GemvTiles(*named[cfg]) for kn, cfg in best.items()}
     res["best_tiles"] = {kn: list(v) for kn, v in tiles.items()}
+    if quant:
+        res["convert_ms"] = decode(1, tiles, "convert")
+        log(f"{name}: int4 by conversions {res['convert_ms']:.4f} ms/layer")
     res["by_tokens"] = []
     for t in (1, 2, 4):
         row = {"tokens": t, "decode_ms": decode(t, tiles), "grouped_ms": grouped(t)}

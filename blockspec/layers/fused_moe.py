@@ -22,7 +22,7 @@ import triton.language as tl
 
 from blockspec.layers.fused import silu_and_mul
 from blockspec.layers.moe import count_experts
-from blockspec.layers.moe_decode import MAX_DECODE_SLOTS, decode_experts
+from blockspec.layers.moe_decode import decode_experts, takes_decode_path
 
 BLOCK_M = 16  # slots per tile: a decode step's few tokens per expert waste little of it
 
@@ -229,7 +229,7 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     """experts_reference's result (+ residual, in x's dtype): for a decode step's few slots the
     GEMV kernels (moe_decode.py), else the grouped GEMMs. x [T, H], weights / ids [T, k],
     gate_up [E, 2I, H], down [E, H, I] -> [T, H]; `stats` as in align_slots."""
-    if ids.numel() <= MAX_DECODE_SLOTS:
+    if takes_decode_path(ids.numel(), gate_up):
         return decode_experts(x.contiguous(), weights, ids, gate_up, down, stats, residual)
     out = grouped_experts(x, weights, ids, gate_up, down, stats)
     return out if residual is None else out + residual

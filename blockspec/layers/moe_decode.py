@@ -28,9 +28,11 @@ import triton.language as tl
 from blockspec.layers.fused import _cast, _rnd
 from blockspec.layers.quant_dequant import QuantWeight
 
-# Slots (tokens x top_k) up to which fused_experts takes this path: decode at batch 1.
-MAX_DECODE_SLOTS = 8
 DENSE, INT4, FP8 = 0, 1, 2
+# NOTE: slots (tokens x top_k) up to which the experts take this path, per weight format: where
+# it measured faster than the grouped GEMMs on an H200 (`benchmarks/kernel_tune.py`): bf16 at
+# one token (even at two), int4 up to four tokens of top 8 (fp8 untimed: bf16's).
+MAX_DECODE_SLOTS = {DENSE: 8, FP8: 8, INT4: 32}
 
 
 class GemvTiles(NamedTuple):
@@ -41,15 +43,21 @@ class GemvTiles(NamedTuple):
     num_warps: int
 
 
-DEFAULT_TILES = {"gate_up": GemvTiles(16, 256, 4), "down": GemvTiles(8, 256, 4)}
+# NOTE: per weight format, the fastest tiles of `benchmarks/kernel_tune.py` on an H200 at one
+# token (Moonlight's bf16 experts, Kimi K2.6's int4 ones; fp8 takes the bf16 ones, untimed).
+_DENSE_TILES = {"gate_up": GemvTiles(4, 256, 4), "down": GemvTiles(4, 512, 8)}
+DEFAULT_TILES = {DENSE: _DENSE_TILES, FP8: _DENSE_TILES,
+                 INT4: {"gate_up": GemvTiles(8, 128, 4), "down": GemvTiles(8, 256, 4)}}
 
 
 @triton.jit
 def _tile(w_base, s_base, rows, row_ok, k0, K, stride_wn, stride_sn, FORMAT: tl.constexpr,
-          GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, ACT: tl.constexpr,
-          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+          GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, MAGIC: tl.constexpr,
+          ACT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Weights [BLOCK_N, BLOCK_K / 8, 8] of `rows` x columns k0.. in fp32 (column 8w + j at
-    [., w, j]): as stored, or dequantized and rounded to ACT like quant_gemm's tiles."""
+    [., w, j]): as stored, or dequantized and rounded to ACT like quant_gemm's tiles (int4's
+    two ways, MAGIC or not, give the same values: (q - 8) * scale is exact in fp32 and rounds
+    once to ACT)."""
     kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
     j = tl.arange(0, 8)
     kk = kw[:, None] * 8 + j[None, :]
@@ -57,10 +65,20 @@ def _tile(w_base, s_base, rows, row_ok, k0, K, stride_wn, stride_sn, FORMAT: tl.
     if FORMAT == 1:  # INT4
         words = tl.load(w_base + rows[:, None].to(tl.int64) * stride_wn + kw[None, :],
                         mask=row_ok[:, None] & (kw < tl.cdiv(K, 8))[None, :], other=0)
-        q = (((words[:, :, None] >> (4 * j[None, None, :])) & 0xF) - 8).to(tl.float32)
         s = tl.load(s_base + rows[:, None].to(tl.int64) * stride_sn + (kw // (GROUP_K // 8))[
             None, :], mask=row_ok[:, None] & (kw < tl.cdiv(K, 8))[None, :], other=0.0)
-        w = (q * s.to(tl.float32)[:, :, None]).to(ACT).to(tl.float32)
+        nibbles = (words[:, :, None] >> (4 * j[None, None, :])) & 0xF
+        if MAGIC:
+            # NOTE: each nibble ORed into the mantissa of a 16-bit float whose ulp is 1, minus
+            # that float + 8, times the scale in ACT: int and 16-bit float ops only (the GEMV
+            # is bound by conversions otherwise: i2f and f2bf run at 1/8 of the fp32 rate).
+            bias: tl.constexpr = 136.0 if ACT == tl.bfloat16 else 1032.0
+            q = (nibbles | MAGIC).to(tl.int16).to(ACT, bitcast=True) - tl.full([1, 1, 1], bias,
+                                                                                ACT)
+            w = (q * s.to(ACT)[:, :, None]).to(tl.float32)
+        else:
+            w = ((nibbles - 8).to(tl.float32) * s.to(tl.float32)[:, :, None]).to(ACT).to(
+                tl.float32)
     elif FORMAT == 2:  # FP8
         q = tl.load(w_base + rows[:, None, None].to(tl.int64) * stride_wn + kk[None, :, :],
                     mask=ok, other=0.0).to(tl.float32)
@@ -98,7 +116,7 @@ def _gate_up_act_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, act_ptr, stats_ptr, num_sl
                         stride_xm, stride_we, stride_wn, stride_se, stride_sn,
                         TOP_K: tl.constexpr, COUNT: tl.constexpr, S_PAD: tl.constexpr,
                         FORMAT: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        MAGIC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     slot = tl.program_id(0)
     expert = tl.load(ids_ptr + slot).to(tl.int64)
     x_row = x_ptr + (slot // TOP_K).to(tl.int64) * stride_xm
@@ -111,9 +129,9 @@ def _gate_up_act_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, act_ptr, stats_ptr, num_sl
     for k0 in range(0, K, BLOCK_K):
         x = _row_chunk(x_row, k0, K, BLOCK_K)[None, :, :]
         acc_g += _tile(w_base, s_base, rows, ok, k0, K, stride_wn, stride_sn, FORMAT, GROUP_N,
-                       GROUP_K, act_dtype, BLOCK_N, BLOCK_K) * x
+                       GROUP_K, MAGIC, act_dtype, BLOCK_N, BLOCK_K) * x
         acc_u += _tile(w_base, s_base, rows + inter, ok, k0, K, stride_wn, stride_sn, FORMAT,
-                       GROUP_N, GROUP_K, act_dtype, BLOCK_N, BLOCK_K) * x
+                       GROUP_N, GROUP_K, MAGIC, act_dtype, BLOCK_N, BLOCK_K) * x
     gate = _rnd(tl.sum(tl.sum(acc_g, 2), 1), act_dtype)
     up = _rnd(tl.sum(tl.sum(acc_u, 2), 1), act_dtype)
     # rounded after silu and after the product, like `F.silu(gate) * up` (fused.silu_and_mul)
@@ -128,8 +146,8 @@ def _gate_up_act_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, act_ptr, stats_ptr, num_sl
 def _down_sum_kernel(act_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, res_ptr, out_ptr, n, inter,
                      stride_we, stride_wn, stride_se, stride_sn, stride_rm, stride_om,
                      TOP_K: tl.constexpr, HAS_RES: tl.constexpr, FORMAT: tl.constexpr,
-                     GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
+                     GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, MAGIC: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     tok = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = rows < n
@@ -143,7 +161,7 @@ def _down_sum_kernel(act_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, res_ptr, out_ptr, 
         for k0 in range(0, inter, BLOCK_K):
             a = _row_chunk(act_ptr + slot * inter, k0, inter, BLOCK_K)[None, :, :]
             acc += _tile(w_base, s_base, rows, ok, k0, inter, stride_wn, stride_sn, FORMAT,
-                         GROUP_N, GROUP_K, dtype, BLOCK_N, BLOCK_K) * a
+                         GROUP_N, GROUP_K, MAGIC, dtype, BLOCK_N, BLOCK_K) * a
         # NOTE: each weighted pick rounds once, the sum over picks once (run_experts' order).
         total += _rnd(tl.sum(tl.sum(acc, 2), 1) * tl.load(wts_ptr + slot).to(tl.float32), dtype)
     out = _rnd(total, dtype)
@@ -170,6 +188,20 @@ def _weight(w: torch.Tensor | QuantWeight) -> _Weight:
     return _Weight(w, w, DENSE, (1, 1), w.shape[1], w.shape[2])
 
 
+def takes_decode_path(num_slots: int, w: torch.Tensor | QuantWeight) -> bool:
+    """Whether the experts of weights like `w` run `decode_experts` at `num_slots` slots."""
+    fmt = DENSE if not isinstance(w, QuantWeight) else INT4 if w.fmt == "int4" else FP8
+    return num_slots <= MAX_DECODE_SLOTS[fmt]
+
+
+def _magic(w: _Weight, act: torch.dtype, dequant: str) -> int:
+    """int4's 16-bit float whose mantissa takes a nibble ("magic"), where the activations and
+    the scales share a 16-bit dtype; 0: int -> fp32 conversions ("convert", any dtypes)."""
+    if w.fmt != INT4 or dequant == "convert" or w.scale.dtype != act:
+        return 0
+    return {torch.bfloat16: 0x4300, torch.float16: 0x6400}.get(act, 0)
+
+
 def _strides(w: _Weight) -> tuple[int, int, int, int]:
     return w.data.stride(0), w.data.stride(1), w.scale.stride(0), w.scale.stride(1)
 
@@ -183,13 +215,15 @@ def _block_k(tiles: GemvTiles, w: _Weight) -> int:
 def decode_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                    gate_up: torch.Tensor | QuantWeight, down: torch.Tensor | QuantWeight,
                    stats: torch.Tensor | None = None, residual: torch.Tensor | None = None,
-                   tiles: dict[str, GemvTiles] | None = None) -> torch.Tensor:
+                   tiles: dict[str, GemvTiles] | None = None, dequant: str = "magic"
+                   ) -> torch.Tensor:
     """experts_reference's result (+ residual) for a few slots: x [T, H] (rows contiguous),
     weights / ids [T, k], gate_up [E, 2I, H], down [E, H, I] -> [T, H] in x's dtype; `stats`
-    as in fused_moe.align_slots, `tiles` overrides DEFAULT_TILES (a tuning run)."""
-    tiles = {**DEFAULT_TILES, **(tiles or {})}
+    as in fused_moe.align_slots; `tiles` overrides the format's DEFAULT_TILES and `dequant`
+    ("magic" or "convert", same values) int4's unpacking (tests, tuning runs)."""
     t, top_k = ids.shape
     gu, dn = _weight(gate_up), _weight(down)
+    tiles = {**DEFAULT_TILES[gu.fmt], **(tiles or {})}
     inter, hidden = gu.n // 2, dn.n
     assert x.stride(1) == 1 and x.shape[1] == gu.k and dn.k == inter
     flat_ids = ids.reshape(-1).contiguous()
@@ -202,13 +236,14 @@ def decode_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
         x, flat_ids, gu.data, gu.scale, act, stats if stats is not None else flat_ids,
         t * top_k, inter, gu.k, x.stride(0), *_strides(gu), TOP_K=top_k,
         COUNT=stats is not None, S_PAD=max(2, triton.next_power_of_2(t * top_k)),
-        FORMAT=gu.fmt, GROUP_N=gu.group[0], GROUP_K=gu.group[1], BLOCK_N=tg.block_n,
+        FORMAT=gu.fmt, GROUP_N=gu.group[0], GROUP_K=gu.group[1],
+        MAGIC=_magic(gu, x.dtype, dequant), BLOCK_N=tg.block_n,
         BLOCK_K=_block_k(tg, gu), num_warps=tg.num_warps, enable_fp_fusion=False)
     res = residual if residual is not None else out
     _down_sum_kernel[(t, triton.cdiv(hidden, td.block_n))](
         act, flat_ids, weights.reshape(-1).contiguous(), dn.data, dn.scale, res, out, hidden,
         inter, *_strides(dn), res.stride(0), out.stride(0), TOP_K=top_k,
         HAS_RES=residual is not None, FORMAT=dn.fmt, GROUP_N=dn.group[0], GROUP_K=dn.group[1],
-        BLOCK_N=td.block_n, BLOCK_K=_block_k(td, dn), num_warps=td.num_warps,
-        enable_fp_fusion=False)
+        MAGIC=_magic(dn, x.dtype, dequant), BLOCK_N=td.block_n, BLOCK_K=_block_k(td, dn),
+        num_warps=td.num_warps, enable_fp_fusion=False)
     return out

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from blockspec.layers.fused_moe import BLOCK_M, Slots, run_experts, tile_slots
-from blockspec.layers.moe_decode import MAX_DECODE_SLOTS, decode_experts
+from blockspec.layers.moe_decode import decode_experts, takes_decode_path
 from blockspec.layers.quant_dequant import QuantWeight
 
 FORMATS = {"int4": 0, "fp8": 1}
@@ -256,7 +256,7 @@ def fused_experts_quant(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tenso
     GEMMs, or for a decode step's few slots the GEMV kernels (moe_decode.py): x [T, H],
     weights / ids [T, k], gate_up [E, 2I, H], down [E, H, I] -> [T, H]; `stats` as in
     fused_moe.align_slots, `tiles` as in quant_grouped (the grouped GEMMs only)."""
-    if ids.numel() <= MAX_DECODE_SLOTS and tiles is None:
+    if tiles is None and takes_decode_path(ids.numel(), gate_up):
         return decode_experts(x.contiguous(), weights, ids, gate_up, down, stats, residual)
     layers = (gate_up, down)
     out = run_experts(x, weights, ids, gate_up.data.shape[0],
