@@ -64,8 +64,8 @@ def test_explicit_configs_and_bad_shapes():
     assert lin.skinny_config(16, 24576, 4096) == (64, 128, 4, 4)
     assert lin.skinny_config(16, 12288, 4096) is None and lin.skinny_config(1, 24576, 64) is None
     assert lin.skinny_config(17, 24576, 4096) is None
-    assert lin.gemv_config(32768, 4096)[:2] == (32, 256)
-    assert lin.gemv_config(4096, 12288)[:2] == (8, 512)
+    assert lin.gemv_config(32768, 4096)[:2] == lin.gemv_config(576, 2048)[:2] == (2, 1024)
+    assert lin.gemv_config(2048, 2816)[:2] == (2, 256)  # BLOCK_K halved until it divides K
 
 
 def test_dispatch(monkeypatch):

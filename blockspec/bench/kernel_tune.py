@@ -155,8 +155,10 @@ def _router_row(n: int, k: int, dev: torch.device) -> dict:
 def sweep_gemv(name: str, dev: torch.device, log: Callable[[str], None] = print) -> dict:
     """cuBLAS, the default config and every GEMV_GRID config per (N, K); ms per weight. And
     the router's fp32 GEMV."""
-    res = {"router": _router_row(*ROUTER_SHAPES[name], dev)}
-    log(f"router {name}: {res['router']}")
+    res = {}
+    if name in ROUTER_SHAPES:
+        res["router"] = _router_row(*ROUTER_SHAPES[name], dev)
+        log(f"router {name}: {res['router']}")
     for n, k in GEMV_SHAPES[name]:
         row = res[f"{n}x{k}"] = _gemv_row(n, k, dev)
         log(f"gemv {name} ({n}, {k}): cuBLAS {row['cublas'] * 1e3:.1f} us, default "

@@ -79,9 +79,10 @@ def _fit_block_k(cfg: tuple[int, int, int, int], k: int) -> tuple[int, int, int,
 
 
 def gemv_config(n: int, k: int) -> tuple[int, int, int, int] | None:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for w [n, k], the best measured on one H200
-    per Qwen3-8B projection (`_fit_block_k` to k)."""
-    return _fit_block_k((32, 256, 8, 3) if n >= 16384 else (8, 512, 4, 3), k)
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for w [n, k] (`_fit_block_k` to k): two rows
+    a program, the best or within 5% of it for each of 14 projections of Moonlight and Kimi
+    K2.6 on one H200 (`benchmarks/kernel_tune.py`; docs/benchmarks.md)."""
+    return _fit_block_k((2, 1024, 4, 3), k)
 
 
 def skinny_config(m: int, n: int, k: int) -> tuple[int, int, int, int] | None:

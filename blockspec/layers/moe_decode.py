@@ -51,52 +51,61 @@ DEFAULT_TILES = {DENSE: _DENSE_TILES, FP8: _DENSE_TILES,
 
 
 @triton.jit
-def _tile(w_base, s_base, rows, row_ok, k0, K, stride_wn, stride_sn, FORMAT: tl.constexpr,
-          GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, MAGIC: tl.constexpr,
-          ACT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Weights [BLOCK_N, BLOCK_K / 8, 8] of `rows` x columns k0.. in fp32 (column 8w + j at
-    [., w, j]): as stored, or dequantized and rounded to ACT like quant_gemm's tiles (int4's
-    two ways, MAGIC or not, give the same values: (q - 8) * scale is exact in fp32 and rounds
-    once to ACT)."""
-    kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-    j = tl.arange(0, 8)
-    kk = kw[:, None] * 8 + j[None, :]
-    ok = row_ok[:, None, None] & (kk < K)[None, :, :]
-    if FORMAT == 1:  # INT4
-        words = tl.load(w_base + rows[:, None].to(tl.int64) * stride_wn + kw[None, :],
-                        mask=row_ok[:, None] & (kw < tl.cdiv(K, 8))[None, :], other=0)
-        s = tl.load(s_base + rows[:, None].to(tl.int64) * stride_sn + (kw // (GROUP_K // 8))[
-            None, :], mask=row_ok[:, None] & (kw < tl.cdiv(K, 8))[None, :], other=0.0)
-        nibbles = (words[:, :, None] >> (4 * j[None, None, :])) & 0xF
-        if MAGIC:
-            # NOTE: each nibble ORed into the mantissa of a 16-bit float whose ulp is 1, minus
-            # that float + 8, times the scale in ACT: int and 16-bit float ops only (the GEMV
-            # is bound by conversions otherwise: i2f and f2bf run at 1/8 of the fp32 rate).
-            bias: tl.constexpr = 136.0 if ACT == tl.bfloat16 else 1032.0
-            q = (nibbles | MAGIC).to(tl.int16).to(ACT, bitcast=True) - tl.full([1, 1, 1], bias,
-                                                                                ACT)
-            w = (q * s.to(ACT)[:, :, None]).to(tl.float32)
-        else:
-            w = ((nibbles - 8).to(tl.float32) * s.to(tl.float32)[:, :, None]).to(ACT).to(
-                tl.float32)
-    elif FORMAT == 2:  # FP8
-        q = tl.load(w_base + rows[:, None, None].to(tl.int64) * stride_wn + kk[None, :, :],
-                    mask=ok, other=0.0).to(tl.float32)
-        s = tl.load(s_base + (rows // GROUP_N)[:, None].to(tl.int64) * stride_sn
-                    + (kw * 8 // GROUP_K)[None, :],
-                    mask=row_ok[:, None] & (kw * 8 < K)[None, :], other=0.0)
-        w = (q * s[:, :, None]).to(ACT).to(tl.float32)
+def _int4_weights(words, s, j: tl.constexpr, MAGIC: tl.constexpr, ACT: tl.constexpr):
+    """Nibble j of each word [BLOCK_N, W] minus 8, times its scale, rounded once to ACT, in
+    fp32. Both ways give the same values ((q - 8) * scale is exact in fp32)."""
+    nibbles = (words >> (4 * j)) & 0xF
+    if MAGIC:
+        # NOTE: the nibble ORed into the mantissa of a 16-bit float whose ulp is 1, minus that
+        # float + 8, times the scale in ACT: int and packed 16-bit float ops, no conversions
+        # (i2f and f2bf run at a fraction of the fp32 rate and bound the GEMV otherwise).
+        bias: tl.constexpr = 136.0 if ACT == tl.bfloat16 else 1032.0
+        q = (nibbles | MAGIC).to(tl.int16).to(ACT, bitcast=True) - tl.full([1, 1], bias, ACT)
+        w = (q * s.to(ACT)).to(tl.float32)
     else:
-        w = tl.load(w_base + rows[:, None, None].to(tl.int64) * stride_wn + kk[None, :, :],
-                    mask=ok, other=0.0).to(tl.float32)
+        w = ((nibbles - 8).to(tl.float32) * s.to(tl.float32)).to(ACT).to(tl.float32)
     return w
 
 
 @triton.jit
-def _row_chunk(v_ptr, k0, K, BLOCK_K: tl.constexpr):
-    """v[k0 : k0 + BLOCK_K] as [BLOCK_K / 8, 8] fp32 (zero past K), _tile's column order."""
-    kk = (k0 // 8 + tl.arange(0, BLOCK_K // 8))[:, None] * 8 + tl.arange(0, 8)[None, :]
-    return tl.load(v_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+def _dot_rows(w_base, s_base, v_ptr, rows, row_ok, K, k_words, stride_wn, stride_sn,
+              FORMAT: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
+              MAGIC: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_K: tl.constexpr):
+    """sum_k W[rows, k] v[k] in fp32 [BLOCK_N]: W as stored, or dequantized to exactly
+    quant_gemm's tile values (rounded to ACT) before the products.
+
+    NOTE: every tile keeps the layout it is loaded in (a [rows, words] tile for int4, whose
+    eight nibbles meet eight strided slices of v): a [rows, words, 8] tile costs a
+    shared-memory round trip per iteration to re-lay the words."""
+    w_rows = w_base + rows[:, None].to(tl.int64) * stride_wn
+    if FORMAT == 1:  # INT4
+        acc = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
+        s_rows = s_base + rows[:, None].to(tl.int64) * stride_sn
+        for k0 in range(0, K, BLOCK_K):
+            kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+            # NOTE: K's words as an argument (K % 8 == 0 for int4), not cdiv(K, 8): Triton knows
+            # an argument divisible by 16, so the mask is constant along 16 words and the
+            # loads vectorize.
+            ok = row_ok[:, None] & (kw < k_words)[None, :]
+            words = tl.load(w_rows + kw[None, :], mask=ok, other=0)
+            s = tl.load(s_rows + (kw // (GROUP_K // 8))[None, :], mask=ok, other=0.0)
+            for j in tl.static_range(8):
+                v = tl.load(v_ptr + kw * 8 + j, mask=kw < k_words, other=0.0)
+                acc += _int4_weights(words, s, j, MAGIC, ACT) * v.to(tl.float32)[None, :]
+    else:
+        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + tl.arange(0, BLOCK_K)
+            ok = row_ok[:, None] & (kk < K)[None, :]
+            w = tl.load(w_rows + kk[None, :], mask=ok, other=0.0).to(tl.float32)
+            if FORMAT == 2:  # FP8: the e4m3 value times its block's scale, rounded to ACT
+                s = tl.load(s_base + (rows // GROUP_N)[:, None].to(tl.int64) * stride_sn
+                            + (kk // GROUP_K)[None, :], mask=ok, other=0.0)
+                w = (w * s).to(ACT).to(tl.float32)
+            v = tl.load(v_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
+            acc += w * v[None, :]
+    return tl.sum(acc, 1)
 
 
 @triton.jit
@@ -113,7 +122,7 @@ def _count_distinct(ids_ptr, stats_ptr, num_slots, S_PAD: tl.constexpr):
 
 @triton.jit
 def _gate_up_act_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, act_ptr, stats_ptr, num_slots, inter, K,
-                        stride_xm, stride_we, stride_wn, stride_se, stride_sn,
+                        k_words, stride_xm, stride_we, stride_wn, stride_se, stride_sn,
                         TOP_K: tl.constexpr, COUNT: tl.constexpr, S_PAD: tl.constexpr,
                         FORMAT: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
                         MAGIC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -124,16 +133,11 @@ def _gate_up_act_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, act_ptr, stats_ptr, num_sl
     ok = rows < inter
     w_base, s_base = w_ptr + expert * stride_we, s_ptr + expert * stride_se
     act_dtype = act_ptr.dtype.element_ty
-    acc_g = tl.zeros([BLOCK_N, BLOCK_K // 8, 8], dtype=tl.float32)
-    acc_u = tl.zeros([BLOCK_N, BLOCK_K // 8, 8], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        x = _row_chunk(x_row, k0, K, BLOCK_K)[None, :, :]
-        acc_g += _tile(w_base, s_base, rows, ok, k0, K, stride_wn, stride_sn, FORMAT, GROUP_N,
-                       GROUP_K, MAGIC, act_dtype, BLOCK_N, BLOCK_K) * x
-        acc_u += _tile(w_base, s_base, rows + inter, ok, k0, K, stride_wn, stride_sn, FORMAT,
-                       GROUP_N, GROUP_K, MAGIC, act_dtype, BLOCK_N, BLOCK_K) * x
-    gate = _rnd(tl.sum(tl.sum(acc_g, 2), 1), act_dtype)
-    up = _rnd(tl.sum(tl.sum(acc_u, 2), 1), act_dtype)
+    gate = _dot_rows(w_base, s_base, x_row, rows, ok, K, k_words, stride_wn, stride_sn, FORMAT,
+                     GROUP_N, GROUP_K, MAGIC, act_dtype, BLOCK_N, BLOCK_K)
+    up = _dot_rows(w_base, s_base, x_row, rows + inter, ok, K, k_words, stride_wn, stride_sn,
+                   FORMAT, GROUP_N, GROUP_K, MAGIC, act_dtype, BLOCK_N, BLOCK_K)
+    gate, up = _rnd(gate, act_dtype), _rnd(up, act_dtype)
     # rounded after silu and after the product, like `F.silu(gate) * up` (fused.silu_and_mul)
     act = _rnd(gate / (1.0 + tl.exp(-gate)), act_dtype)
     tl.store(act_ptr + slot.to(tl.int64) * inter + rows, _cast(act * up, act_dtype), mask=ok)
@@ -144,7 +148,7 @@ def _gate_up_act_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, act_ptr, stats_ptr, num_sl
 
 @triton.jit
 def _down_sum_kernel(act_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, res_ptr, out_ptr, n, inter,
-                     stride_we, stride_wn, stride_se, stride_sn, stride_rm, stride_om,
+                     k_words, stride_we, stride_wn, stride_se, stride_sn, stride_rm, stride_om,
                      TOP_K: tl.constexpr, HAS_RES: tl.constexpr, FORMAT: tl.constexpr,
                      GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, MAGIC: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -157,13 +161,11 @@ def _down_sum_kernel(act_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, res_ptr, out_ptr, 
         slot = tok * TOP_K + p
         expert = tl.load(ids_ptr + slot).to(tl.int64)
         w_base, s_base = w_ptr + expert * stride_we, s_ptr + expert * stride_se
-        acc = tl.zeros([BLOCK_N, BLOCK_K // 8, 8], dtype=tl.float32)
-        for k0 in range(0, inter, BLOCK_K):
-            a = _row_chunk(act_ptr + slot * inter, k0, inter, BLOCK_K)[None, :, :]
-            acc += _tile(w_base, s_base, rows, ok, k0, inter, stride_wn, stride_sn, FORMAT,
-                         GROUP_N, GROUP_K, MAGIC, dtype, BLOCK_N, BLOCK_K) * a
+        acc = _dot_rows(w_base, s_base, act_ptr + slot * inter, rows, ok, inter, k_words,
+                        stride_wn, stride_sn, FORMAT, GROUP_N, GROUP_K, MAGIC, dtype, BLOCK_N,
+                        BLOCK_K)
         # NOTE: each weighted pick rounds once, the sum over picks once (run_experts' order).
-        total += _rnd(tl.sum(tl.sum(acc, 2), 1) * tl.load(wts_ptr + slot).to(tl.float32), dtype)
+        total += _rnd(acc * tl.load(wts_ptr + slot).to(tl.float32), dtype)
     out = _rnd(total, dtype)
     if HAS_RES:
         out += tl.load(res_ptr + tok * stride_rm + rows, mask=ok, other=0.0).to(tl.float32)
@@ -182,8 +184,9 @@ class _Weight(NamedTuple):
 def _weight(w: torch.Tensor | QuantWeight) -> _Weight:
     if isinstance(w, QuantWeight):
         fmt = INT4 if w.fmt == "int4" else FP8
-        if fmt == INT4 and w.group[1] % 8:
-            raise NotImplementedError(f"int4 groups of {w.group[1]} columns: whole words only")
+        if fmt == INT4 and (w.group[1] % 8 or w.k % 8):
+            raise NotImplementedError(f"int4 over {w.k} columns in groups of {w.group[1]}: "
+                                      "whole words only")
         return _Weight(w.data, w.scale, fmt, w.group, w.n, w.k)
     return _Weight(w, w, DENSE, (1, 1), w.shape[1], w.shape[2])
 
@@ -207,8 +210,8 @@ def _strides(w: _Weight) -> tuple[int, int, int, int]:
 
 
 def _block_k(tiles: GemvTiles, w: _Weight) -> int:
-    """tiles.block_k, at most K rounded up to a power of two (scales are read per 8 columns,
-    so any tile width serves any group)."""
+    """tiles.block_k, at most K rounded up to a power of two (scales are read per int4 word
+    or per fp8 value, so any tile width serves any group)."""
     return min(tiles.block_k, max(16, triton.next_power_of_2(w.k)))
 
 
@@ -221,6 +224,8 @@ def decode_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     weights / ids [T, k], gate_up [E, 2I, H], down [E, H, I] -> [T, H] in x's dtype; `stats`
     as in fused_moe.align_slots; `tiles` overrides the format's DEFAULT_TILES and `dequant`
     ("magic" or "convert", same values) int4's unpacking (tests, tuning runs)."""
+    # NOTE: fp fusion on (products and sums as FMAs): every rounding to the activations' dtype
+    # goes through fused._rnd's integer ops, which no contraction crosses.
     t, top_k = ids.shape
     gu, dn = _weight(gate_up), _weight(down)
     tiles = {**DEFAULT_TILES[gu.fmt], **(tiles or {})}
@@ -234,16 +239,16 @@ def decode_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     tg, td = tiles["gate_up"], tiles["down"]
     _gate_up_act_kernel[(t * top_k, triton.cdiv(inter, tg.block_n))](
         x, flat_ids, gu.data, gu.scale, act, stats if stats is not None else flat_ids,
-        t * top_k, inter, gu.k, x.stride(0), *_strides(gu), TOP_K=top_k,
+        t * top_k, inter, gu.k, gu.k // 8, x.stride(0), *_strides(gu), TOP_K=top_k,
         COUNT=stats is not None, S_PAD=max(2, triton.next_power_of_2(t * top_k)),
         FORMAT=gu.fmt, GROUP_N=gu.group[0], GROUP_K=gu.group[1],
         MAGIC=_magic(gu, x.dtype, dequant), BLOCK_N=tg.block_n,
-        BLOCK_K=_block_k(tg, gu), num_warps=tg.num_warps, enable_fp_fusion=False)
+        BLOCK_K=_block_k(tg, gu), num_warps=tg.num_warps, enable_fp_fusion=True)
     res = residual if residual is not None else out
     _down_sum_kernel[(t, triton.cdiv(hidden, td.block_n))](
         act, flat_ids, weights.reshape(-1).contiguous(), dn.data, dn.scale, res, out, hidden,
-        inter, *_strides(dn), res.stride(0), out.stride(0), TOP_K=top_k,
+        inter, inter // 8, *_strides(dn), res.stride(0), out.stride(0), TOP_K=top_k,
         HAS_RES=residual is not None, FORMAT=dn.fmt, GROUP_N=dn.group[0], GROUP_K=dn.group[1],
         MAGIC=_magic(dn, x.dtype, dequant), BLOCK_N=td.block_n, BLOCK_K=_block_k(td, dn),
-        num_warps=td.num_warps, enable_fp_fusion=False)
+        num_warps=td.num_warps, enable_fp_fusion=True)
     return out
