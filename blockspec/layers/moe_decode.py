@@ -44,10 +44,11 @@ class GemvTiles(NamedTuple):
 
 
 # NOTE: per weight format, the fastest tiles of `benchmarks/kernel_tune.py` on an H200 at one
-# token (Moonlight's bf16 experts, Kimi K2.6's int4 ones; fp8 takes the bf16 ones, untimed).
+# token (Moonlight's bf16 experts, within 3% of the best; Kimi K2.6's int4 ones, the best; fp8
+# takes the bf16 ones, untimed).
 _DENSE_TILES = {"gate_up": GemvTiles(4, 256, 4), "down": GemvTiles(4, 512, 8)}
 DEFAULT_TILES = {DENSE: _DENSE_TILES, FP8: _DENSE_TILES,
-                 INT4: {"gate_up": GemvTiles(8, 128, 4), "down": GemvTiles(8, 256, 4)}}
+                 INT4: {"gate_up": GemvTiles(4, 512, 4), "down": GemvTiles(4, 512, 4)}}
 
 
 @triton.jit
