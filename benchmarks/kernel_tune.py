@@ -2,7 +2,7 @@
 decode-step experts against the grouped GEMMs (Moonlight bf16, Kimi K2.6 INT4) and the dense
 GEMV per projection (Moonlight, Kimi K2.6).
 
-Usage: python benchmarks/kernel_tune.py --out FILE.json [--skip experts,gemv]
+Usage: python benchmarks/kernel_tune.py --out FILE.json [--skip experts,gemv] [--experts kimi_int4]
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--skip", default="", help="experts,gemv")
+    ap.add_argument("--experts", default=",".join(EXPERT_SHAPES),
+                    help="expert shapes to sweep: " + ",".join(EXPERT_SHAPES))
     ap.add_argument("--layers", default="moonlight_bf16=4,kimi_int4=2",
                     help="layers of expert weights per timing, per shape")
     args = ap.parse_args()
@@ -34,7 +36,7 @@ def main() -> int:
                  "torch": torch.__version__, "date": datetime.date.today().isoformat()}
     out = Path(args.out)
     if "experts" not in skip:
-        for name in EXPERT_SHAPES:
+        for name in args.experts.split(","):
             res[f"experts_{name}"] = sweep_decode_experts(name, int(layers.get(name, 2)), dev)
             out.write_text(json.dumps(res, indent=2) + "\n")
             torch.cuda.empty_cache()
