@@ -182,16 +182,19 @@ GroupedGemm = Callable[[torch.Tensor, int, Slots, bool, "torch.Tensor | None"], 
 
 
 def run_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, num_experts: int,
-                gemm: GroupedGemm, stats: torch.Tensor | None = None) -> torch.Tensor:
+                gemm: GroupedGemm, stats: torch.Tensor | None = None,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
     """The routed experts around two grouped GEMMs (bf16 here, quantized in quant_gemm.py):
-    x [T, H], weights / ids [T, k] -> [T, H]; `stats` as in align_slots."""
+    x [T, H], weights / ids [T, k] -> [T, H] (+ residual, in x's dtype); `stats` as in
+    align_slots."""
     t, top_k = ids.shape
     slots = Slots(*align_slots(ids, num_experts, stats=stats), t * top_k, top_k)
     h = gemm(x.contiguous(), 0, slots, True, None)
     # NOTE: rounded like experts_reference's (and HF's) eager silu(gate) * up; one kernel on a
     # GPU. The sum over a token's picks accumulates in fp32 and rounds once.
     y = gemm(silu_and_mul(h), 1, slots, False, weights.reshape(-1).float().contiguous())
-    return y.view(t, top_k, -1).sum(dim=1)
+    out = y.view(t, top_k, -1).sum(dim=1)
+    return out if residual is None else out + residual
 
 
 def _grouped(a: torch.Tensor, w: torch.Tensor, slots: Slots, per_token: bool,
@@ -214,12 +217,14 @@ def _grouped(a: torch.Tensor, w: torch.Tensor, slots: Slots, per_token: bool,
 
 def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                     gate_up: torch.Tensor, down: torch.Tensor,
-                    stats: torch.Tensor | None = None) -> torch.Tensor:
-    """experts_reference's result through the grouped GEMMs, at any number of slots."""
+                    stats: torch.Tensor | None = None,
+                    residual: torch.Tensor | None = None) -> torch.Tensor:
+    """experts_reference's result (+ residual) through the grouped GEMMs, at any number of
+    slots."""
     layers = (gate_up, down)
     return run_experts(x, weights, ids, gate_up.shape[0],
                        lambda a, layer, slots, per_token, scale:
-                       _grouped(a, layers[layer], slots, per_token, scale), stats)
+                       _grouped(a, layers[layer], slots, per_token, scale), stats, residual)
 
 
 def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
@@ -231,5 +236,4 @@ def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     gate_up [E, 2I, H], down [E, H, I] -> [T, H]; `stats` as in align_slots."""
     if takes_decode_path(ids.numel(), gate_up):
         return decode_experts(x.contiguous(), weights, ids, gate_up, down, stats, residual)
-    out = grouped_experts(x, weights, ids, gate_up, down, stats)
-    return out if residual is None else out + residual
+    return grouped_experts(x, weights, ids, gate_up, down, stats, residual)

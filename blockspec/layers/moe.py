@@ -71,16 +71,17 @@ def select_experts_softmax(router_logits: torch.Tensor, top_k: int, n_group: int
 
 
 def experts_reference(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                      gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]), each expert a SiLU-gated MLP:
-    gate_up [E, 2I, H] (gate rows first), down [E, H, I]. x [T, H] -> [T, H]."""
+                      gate_up: torch.Tensor, down: torch.Tensor,
+                      residual: torch.Tensor | None = None) -> torch.Tensor:
+    """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) (+ residual, in x's dtype), each expert
+    a SiLU-gated MLP: gate_up [E, 2I, H] (gate rows first), down [E, H, I]. x [T, H] -> [T, H]."""
     out = torch.zeros_like(x, dtype=torch.float32)
     for expert in ids.unique().tolist():
         rows, slot = (ids == expert).nonzero(as_tuple=True)
         gate, up = F.linear(x[rows], gate_up[expert]).chunk(2, dim=-1)
         y = F.linear(F.silu(gate) * up, down[expert])
         out.index_add_(0, rows, (y * weights[rows, slot, None]).float())
-    return out.to(x.dtype)
+    return out.to(x.dtype) if residual is None else out.to(x.dtype) + residual
 
 
 def count_experts(ids: torch.Tensor, num_experts: int, stats: torch.Tensor) -> None:

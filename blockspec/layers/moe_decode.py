@@ -26,6 +26,7 @@ import triton
 import triton.language as tl
 
 from blockspec.layers.fused import _cast, _rnd
+from blockspec.layers.int4_bits import MAGIC16, _nibble
 from blockspec.layers.quant_dequant import QuantWeight
 
 DENSE, INT4, FP8 = 0, 1, 2
@@ -56,19 +57,16 @@ def _int4_weights(words, s, MAGIC: tl.constexpr, ACT: tl.constexpr):
     """The nibbles of words [BLOCK_N, W] as [BLOCK_N, W, 8] (nibble j at [., ., j]) minus 8,
     times their scales s [BLOCK_N, W], rounded once to ACT, in fp32. Both ways give the same
     values ((q - 8) * scale is exact in fp32)."""
-    j = tl.arange(0, 8)[None, None, :]
-    nibbles = (words[:, :, None] >> (4 * j)) & 0xF
+    q = _nibble(words[:, :, None], tl.arange(0, 8)[None, None, :], MAGIC)
     if MAGIC:
         # NOTE: the nibble ORed into the mantissa of a 16-bit float whose ulp is 1, minus that
         # float + 8, times the scale in ACT: int and packed 16-bit float ops, no conversions
         # (i2f and f2bf run at a fraction of the fp32 rate and bound the GEMV otherwise).
         bias: tl.constexpr = 136.0 if ACT == tl.bfloat16 else 1032.0
-        q = (nibbles | MAGIC).to(tl.int16).to(ACT, bitcast=True) - tl.full([1, 1, 1], bias,
-                                                                            ACT)
+        q = q.to(tl.int16).to(ACT, bitcast=True) - tl.full([1, 1, 1], bias, ACT)
         w = (q * s.to(ACT)[:, :, None]).to(tl.float32)
     else:
-        w = ((nibbles - 8).to(tl.float32) * s.to(tl.float32)[:, :, None]).to(ACT).to(
-            tl.float32)
+        w = (q.to(tl.float32) * s.to(tl.float32)[:, :, None]).to(ACT).to(tl.float32)
     return w
 
 
@@ -188,9 +186,15 @@ class _Weight(NamedTuple):
     k: int
 
 
+def _format(w: torch.Tensor | QuantWeight) -> int:
+    if not isinstance(w, QuantWeight):
+        return DENSE
+    return INT4 if w.fmt == "int4" else FP8
+
+
 def _weight(w: torch.Tensor | QuantWeight) -> _Weight:
     if isinstance(w, QuantWeight):
-        fmt = INT4 if w.fmt == "int4" else FP8
+        fmt = _format(w)
         if fmt == INT4 and (w.group[1] % 8 or w.k % 8):
             raise NotImplementedError(f"int4 over {w.k} columns in groups of {w.group[1]}: "
                                       "whole words only")
@@ -200,8 +204,7 @@ def _weight(w: torch.Tensor | QuantWeight) -> _Weight:
 
 def takes_decode_path(num_slots: int, w: torch.Tensor | QuantWeight) -> bool:
     """Whether the experts of weights like `w` run `decode_experts` at `num_slots` slots."""
-    fmt = DENSE if not isinstance(w, QuantWeight) else INT4 if w.fmt == "int4" else FP8
-    return num_slots <= MAX_DECODE_SLOTS[fmt]
+    return num_slots <= MAX_DECODE_SLOTS[_format(w)]
 
 
 def _magic(w: _Weight, act: torch.dtype, dequant: str) -> int:
@@ -209,7 +212,7 @@ def _magic(w: _Weight, act: torch.dtype, dequant: str) -> int:
     the scales share a 16-bit dtype; 0: int -> fp32 conversions ("convert", any dtypes)."""
     if w.fmt != INT4 or dequant == "convert" or w.scale.dtype != act:
         return 0
-    return {torch.bfloat16: 0x4300, torch.float16: 0x6400}.get(act, 0)
+    return MAGIC16.get(act, 0)
 
 
 def _strides(w: _Weight) -> tuple[int, int, int, int]:

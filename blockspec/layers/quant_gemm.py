@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from blockspec.layers.fused_moe import BLOCK_M, Slots, run_experts, tile_slots
+from blockspec.layers.int4_bits import MAGIC16, _nibble
 from blockspec.layers.moe_decode import decode_experts, takes_decode_path
 from blockspec.layers.quant_dequant import QuantWeight
 
@@ -75,20 +76,6 @@ def _scaled(q, s_rows, k0, k, col_ok, GROUP_K: tl.constexpr, BLOCK_N: tl.constex
         out = q * tl.reshape(s, [BLOCK_N, BLOCK_K])
     else:
         out = q * tl.load(s_rows + k0 // GROUP_K, mask=col_ok, other=0.0).to(q.dtype)[:, None]
-    return out
-
-
-@triton.jit
-def _nibble(words, j, MAGIC: tl.constexpr):
-    """Nibble j of each word: minus 8 (MAGIC 0), or ORed into the bits of the float MAGIC; a
-    MAGIC of two 16-bit halves masks nibbles j % 4 and j % 4 + 4 in one op (one per half) and
-    takes half j // 4."""
-    if MAGIC == 0:
-        out = ((words >> (4 * j)) & 0xF) - 8
-    elif MAGIC > 0xFFFF and MAGIC != 0x4B000000:
-        out = (((words >> (4 * (j % 4))) & 0x000F000F) | MAGIC) >> (16 * (j // 4))
-    else:
-        out = ((words >> (4 * j)) & 0xF) | MAGIC
     return out
 
 
@@ -217,8 +204,7 @@ def _dequant(w: QuantWeight, a_dtype: torch.dtype, dequant: str) -> dict:
         value_dtype = _TL_DTYPES[a_dtype]
     magic = 0 if number in (0, 3) else 0x4B000000
     if value_dtype != tl.float32:
-        magic = (0x4300 if value_dtype == tl.bfloat16 else 0x6400) * (0x10001 if number == 5
-                                                                       else 1)
+        magic = MAGIC16[a_dtype] * (0x10001 if number == 5 else 1)
     return dict(DEQUANT=number, MAGIC=magic, VALUE_DTYPE=value_dtype)
 
 
@@ -259,11 +245,10 @@ def fused_experts_quant(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tenso
     if tiles is None and takes_decode_path(ids.numel(), gate_up):
         return decode_experts(x.contiguous(), weights, ids, gate_up, down, stats, residual)
     layers = (gate_up, down)
-    out = run_experts(x, weights, ids, gate_up.data.shape[0],
-                      lambda a, layer, slots, per_token, scale:
-                      quant_grouped(a, layers[layer], slots, per_token, scale, tiles=tiles),
-                      stats)
-    return out if residual is None else out + residual
+    return run_experts(x, weights, ids, gate_up.data.shape[0],
+                       lambda a, layer, slots, per_token, scale:
+                       quant_grouped(a, layers[layer], slots, per_token, scale, tiles=tiles),
+                       stats, residual)
 
 
 def quant_linear(x: torch.Tensor, w: QuantWeight, tiles: Tiles | None = None) -> torch.Tensor:

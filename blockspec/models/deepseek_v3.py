@@ -142,8 +142,7 @@ class Experts(nn.Module):
             return fused_experts(x, weights, ids, self.gate_up_proj, self.down_proj, stats,
                                  residual)
         count_experts(ids, self.gate_up_proj.shape[0], stats)
-        out = experts_reference(x, weights, ids, self.gate_up_proj, self.down_proj)
-        return out if residual is None else out + residual
+        return experts_reference(x, weights, ids, self.gate_up_proj, self.down_proj, residual)
 
 
 class MoE(nn.Module):

@@ -38,9 +38,8 @@ class QuantExperts(nn.Module):
             return fused_experts_quant(x, weights, ids, gate_up, down, stats,
                                        residual=residual)
         count_experts(ids, gate_up.data.shape[0], stats)
-        out = experts_reference(x, weights, ids, DequantizedExperts(gate_up, x.dtype),
-                                DequantizedExperts(down, x.dtype))
-        return out if residual is None else out + residual
+        return experts_reference(x, weights, ids, DequantizedExperts(gate_up, x.dtype),
+                                 DequantizedExperts(down, x.dtype), residual)
 
 
 class Int4Experts(QuantExperts):

@@ -98,5 +98,4 @@ class GroupExperts(nn.Module):
         local = torch.where(mine, local, torch.zeros_like(local))
         weights = weights * mine.to(weights.dtype)
         experts = fused_experts if backend == "triton" else experts_reference
-        out = experts(x, weights, local, self.gate_up_proj, self.down_proj)
-        return out if residual is None else out + residual
+        return experts(x, weights, local, self.gate_up_proj, self.down_proj, residual=residual)
