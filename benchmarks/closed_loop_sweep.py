@@ -14,6 +14,8 @@ finishes.
 
 `--engine-args` go to every run (AR and DFlash alike): a what-if beside the defaults.
 `--async-ab`: instead of DFlash, AR with `--async-scheduling` against AR (both engines plain).
+`--async-spec`: beside the default runs, AR and DFlash again with `--async-scheduling`, each set
+against its synchronous twin and DFlash-async against AR-async.
 """
 
 from __future__ import annotations
@@ -61,6 +63,22 @@ def compare(ar: dict, spec: dict, other: str = "dflash") -> dict:
             "other": other}
 
 
+def async_rows(out: Path, key: str, ar: dict, ar_args: list[str], spec_args: list[str]
+               ) -> dict:
+    """`--async-spec`: DFlash with `--async-scheduling` against AR, against synchronous DFlash
+    (whose JSON is `spec_args`' run already made) and against AR with `--async-scheduling` (run
+    once per set: its file is reused)."""
+    flag = ["--async-scheduling"]
+    name = key.split("_a")[0] if key.startswith("qwen3") else key
+    ar_async_path = out / f"{name}_ar_async.json"
+    ar_async = json.loads(ar_async_path.read_text()) if ar_async_path.exists() \
+        else bench(out, f"{name}_ar_async", [*ar_args, *flag])
+    spec_async = bench(out, f"{key}_async", [*spec_args, *flag])
+    return {f"{key}_async_vs_ar": compare(ar, spec_async, "dflash_async"),
+            f"{key}_async_vs_ar_async": compare(ar_async, spec_async, "dflash_async"),
+            f"{name}_ar_async_vs_ar": compare(ar, ar_async, "ar_async")}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out-dir", required=True)
@@ -72,6 +90,8 @@ def main() -> int:
     ap.add_argument("--engine-args", default="", help="extra engine flags for every run")
     ap.add_argument("--async-ab", action="store_true",
                     help="AR with --async-scheduling against AR, in place of DFlash")
+    ap.add_argument("--async-spec", action="store_true",
+                    help="AR and DFlash also with --async-scheduling")
     args = ap.parse_args()
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -86,6 +106,8 @@ def main() -> int:
         res["demo"] = compare(ar, bench(out, "demo_ar_async", [*demo, "--draft", "none",
                                                                "--async-scheduling"]), "async") \
             if args.async_ab else compare(ar, bench(out, "demo_default", demo))
+        if args.async_spec:
+            res.update(async_rows(out, "demo", ar, [*demo, "--draft", "none"], demo))
     if not args.skip_big:
         with tempfile.TemporaryDirectory() as d:
             target, drafter = write_folders(Path(d))
@@ -100,6 +122,9 @@ def main() -> int:
                 spec = bench(out, f"qwen3_8b_adaptive_a{a}",
                              [*big, "--draft", str(drafter), "--synthetic-acceptance", str(a)])
                 res[f"qwen3_8b_a{a}"] = compare(ar, spec)
+                if args.async_spec:
+                    res.update(async_rows(out, f"qwen3_8b_a{a}", ar, big, [
+                        *big, "--draft", str(drafter), "--synthetic-acceptance", str(a)]))
     first = "qwen3_8b_ar" if args.skip_demo else "demo_ar"
     res["environment"] = json.loads((out / f"{first}.json").read_text())["environment"]
     (out / "closed_loop_sweep.json").write_text(json.dumps(res, indent=1) + "\n")

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from blockspec import LLM, SamplingParams
+from blockspec.bench.async_checks import check_async_speculation
 from blockspec.bench.check_runner import check_report, run_checks
 from blockspec.dflash.checkpoint import build_random_drafter
 from blockspec.layers import fused, linear
@@ -199,6 +200,7 @@ def check_engine(tmp: Path, report: dict) -> None:
         ("eager", {"enforce_eager": True}),
         ("torch_backend_eager", {"enforce_eager": True, "attention_backend": "torch"}),
         ("dflash_graphs", {"draft": str(drafter)}),
+        ("dflash_graphs_async", {"draft": str(drafter), "async_scheduling": True}),
         ("dflash_eager", {"draft": str(drafter), "enforce_eager": True}),
         ("graphs_c4", {"max_num_seqs": 4}),
         ("graphs_c4_eager_mixed", {"max_num_seqs": 4, "graph_mixed_steps": False}),
@@ -296,14 +298,16 @@ def check_fused_moe(report: dict) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="gpu_checks.json")
+    ap.add_argument("--only", default="", help="comma-separated check names (default: all)")
     args = ap.parse_args()
     report = check_report("benchmarks/gpu_checks.py")
     checks = {c.__name__: (lambda c=c: c(report)) for c in (
         check_attention, check_mla, check_fused, check_linear, check_fused_moe)}
     with tempfile.TemporaryDirectory() as d:
         checks.update({c.__name__: (lambda c=c: c(Path(d), report))
-                       for c in (check_engine, check_engine_deepseek)})
-        ok = run_checks(checks, report)
+                       for c in (check_engine, check_engine_deepseek, check_async_speculation)})
+        only = [x for x in args.only.split(",") if x]
+        ok = run_checks({k: v for k, v in checks.items() if not only or k in only}, report)
     report["all_passed"] = ok
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
     return 0 if ok else 1

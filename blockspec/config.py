@@ -43,9 +43,9 @@ class EngineConfig:
     draft: str | None = None  # DFlash drafter folder or Hub id: enables speculative decoding
     block_size: int | None = None  # speculative block (verified tokens); None: the drafter's
     enforce_eager: bool = False  # CUDA: no graphs
-    # Plain decode steps scheduled and launched while the previous one runs (engine/pipeline.py;
-    # vLLM's --async-scheduling). NOTE: off by default: it speeds up the target alone (1.5-1.9x
-    # on the host-bound demo pair, docs/benchmarks.md), and speculative steps do not take it yet.
+    # Decode steps scheduled and launched while the previous one runs (engine/pipeline.py;
+    # vLLM's --async-scheduling): plain decode, and greedy speculative blocks whose schedule
+    # does not wait for the accepted counts. Off by default (docs/benchmarks.md, "Async").
     async_scheduling: bool = False
     # Speculation policy (with a drafter): "adaptive" picks plain decode or one of `block_sizes`
     # each step from measured step costs and live acceptance; "fixed" always runs the max block.
@@ -197,10 +197,6 @@ class EngineConfig:
         return self.draft is not None and self.speculation_policy == "adaptive"
 
     def _validate_speculation(self) -> None:
-        if self.async_scheduling and self.draft is not None:
-            raise ConfigError("async_scheduling runs plain decode steps ahead of their inputs; "
-                              "a speculative step's schedule depends on its accepted tokens: "
-                              "use it without a draft model")
         if self.block_size is not None and self.block_size < 2:
             raise ConfigError(f"block_size must be >= 2, got {self.block_size}")
         if self.block_size is not None and self.draft is None:

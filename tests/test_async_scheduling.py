@@ -105,10 +105,12 @@ def test_sampled_or_logprob_batches_run_synchronously(qwen3_path, launches):
     assert launches[0] == 0
 
 
-def test_config(qwen3_path, tmp_path):
+def test_config(qwen3_path, drafter16):
     assert cpu_llm(qwen3_path).engine.async_scheduling is False  # off unless asked
-    with pytest.raises(ConfigError, match="without a draft model"):
-        cpu_llm(qwen3_path, draft=tmp_path, async_scheduling=True)
+    # With a drafter it runs speculative steps ahead (tests/test_async_speculation.py).
+    assert cpu_llm(qwen3_path, drafter16, async_scheduling=True).engine.async_scheduling
+    with pytest.raises(ConfigError, match="tensor parallelism"):
+        cpu_llm(qwen3_path, async_scheduling=True, tensor_parallel_size=2)
 
 
 def test_cli_flag():

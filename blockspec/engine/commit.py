@@ -9,6 +9,7 @@ import time
 from blockspec.dflash.metrics import SpecStats
 from blockspec.engine.output_processor import OutputProcessor
 from blockspec.engine.scheduler import Scheduler, SchedulerOutput
+from blockspec.engine.sequence import Sequence
 from blockspec.engine.step_result import StepResult
 from blockspec.outputs import RequestOutput
 
@@ -42,6 +43,22 @@ def commit_step(sched: SchedulerOutput, res: StepResult, processor: OutputProces
         elif seq.is_finished or req.output_kind != "final_only":
             outputs.append(processor.output(req))
     return outputs, finish_seconds, appended
+
+
+def fail_requests(seqs: list[Sequence], processor: OutputProcessor, scheduler: Scheduler
+                  ) -> list[RequestOutput]:
+    """Finish the requests of a step that raised ("error"), freeing their KV blocks.
+    NOTE: a failed step committed nothing for them (num_computed_tokens did not advance past
+    their committed tokens), and the blocks it may have written are theirs alone: blocks
+    shared through the prefix cache hold only computed tokens, which no step rewrites."""
+    outputs = []
+    for seq in seqs:
+        req = processor.requests.get(seq.request_id)
+        if req is None or seq.is_finished:
+            continue
+        scheduler.finish(seq, "error")
+        outputs.append(processor.output(req))
+    return outputs
 
 
 def _append_tokens(res: StepResult, processor: OutputProcessor, spec_stats: SpecStats | None

@@ -20,9 +20,10 @@ from blockspec.engine.decode_step import (
     StepOutputs,
 )
 from blockspec.engine.kv_cache import padded_block_tables
-from blockspec.engine.pipeline import PendingDecode
+from blockspec.engine.pipeline import PendingDecode, PendingSpec, block_tokens
 from blockspec.engine.row_sampling import SampleRows, plain_greedy, row_logprobs, sample_rows
 from blockspec.engine.sequence import Sequence
+from blockspec.engine.step_plan import Plan
 from blockspec.engine.step_result import Logprobs, StepResult
 
 
@@ -106,6 +107,26 @@ class DecodeExecutor:
         out = run_step(step, graphs, bufs, n, self.trash_block)
         return PendingDecode.start(seqs, out.target_tokens[:n].reshape(n))
 
+    def launch_spec(self, seqs: list[Sequence], plan: Plan, step: DecodeStep,
+                    graphs: GraphedDecodeStep | None, prev: PendingSpec | None,
+                    synthetic: float | None) -> PendingSpec:
+        """A whole speculative step (greedy or synthetic acceptance) launched without a host
+        sync (async scheduling): the newest token and context length of sequences whose last
+        step is still in flight come from `prev`'s outputs on the device; their block tables
+        hold the worst case's blocks (Scheduler.reserve_ahead)."""
+        n, bufs = len(seqs), self.bufs
+        fill_buffers(bufs, seqs, self.trash_block)
+        if prev is not None:
+            last, ctx = prev.next_inputs(seqs)
+            # NOTE: queued before this step's replay overwrites the graph outputs they read.
+            bufs.last_tokens[:n].copy_(last)
+            bufs.ctx_lens[:n].copy_(ctx)
+        if synthetic is not None:
+            bufs.uniforms.uniform_(generator=self.generator)
+        out = run_step(step, graphs, bufs, n, self.trash_block)
+        return PendingSpec.start(seqs, plan, out.target_tokens[:n], out.drafts[:n],
+                                 out.num_accepted[:n], bufs.ctx_lens[:n], synthetic is not None)
+
     def _emit(self, seqs: list[Sequence], target: torch.Tensor, drafts: torch.Tensor | None,
               acc: torch.Tensor | None, lp: list[Logprobs], q: int,
               synthetic: bool) -> StepResult:
@@ -122,10 +143,10 @@ class DecodeExecutor:
         host = self.synced(torch.cat(parts, dim=1))  # NOTE: the step's one host sync
         tokens, lps, drafted, accepted = [], [], [], []
         for i, row in enumerate(host):
-            tgt = row[:q]
-            a = row[-1] if acc is not None else 0
-            # Benchmark mode: the drafts themselves are committed (their K/V are in the cache).
-            toks = row[q:q + a] + [tgt[a]] if acc is not None and synthetic else tgt[:a + 1]
+            if acc is not None:
+                toks, a = block_tokens(row, q, synthetic)
+            else:  # a sampled plain step's row: its pick alone
+                toks, a = row[:1], 0
             tokens.append(toks)
             lps.append(lp[i * q:i * q + a + 1])
             drafted.append(q - 1 if acc is not None else 0)

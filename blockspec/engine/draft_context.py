@@ -9,11 +9,17 @@ NOTE (the invariant): whenever the drafter runs for a sequence, its context is c
 
 from __future__ import annotations
 
-from blockspec.engine.context_staging import ContextStaging
+import torch
+
+from blockspec.config import EngineConfig
+from blockspec.dflash.proposer import DFlashProposer
+from blockspec.engine.context_staging import ContextStaging, staging_rows
 from blockspec.engine.decode_step import DecodeStep, GraphedDecodeStep
+from blockspec.engine.kv_cache import BlockManager
 from blockspec.engine.lazy_context import LazyDraftContext
 from blockspec.engine.sequence import Sequence
 from blockspec.engine.step_plan import Plan
+from blockspec.models.qwen3 import CausalLM
 
 
 class DraftContext:
@@ -21,11 +27,35 @@ class DraftContext:
         """`staging` None: no drafter (nothing to write); `lazy` None: never detached."""
         self.staging, self.lazy = staging, lazy
 
+    @classmethod
+    def build(cls, config: EngineConfig, hidden_size: int, model: CausalLM,
+              proposer: DFlashProposer | None, bm: BlockManager, trash_block: int,
+              max_model_len: int, dtype: torch.dtype) -> DraftContext:
+        """The plain steps' staging and, with lazy_draft_context, the detachable context."""
+        if proposer is None:
+            return cls(None, None)
+        device = torch.device(config.device)
+        width = len(proposer.target_layer_ids) * hidden_size
+        staging = ContextStaging(proposer, bm, trash_block, staging_rows(config.max_num_seqs),
+                                 width, dtype, device)
+        lazy = None
+        if config.use_lazy_draft_context:
+            lazy = LazyDraftContext(model, proposer, bm, staging, trash_block,
+                                    config.max_num_batched_tokens, max_model_len,
+                                    config.max_num_seqs, device)
+        return cls(staging, lazy)
+
     @property
     def writes(self) -> bool:
         """Whether a prefill or mixed step writes the drafter context of its tokens now (not
         without a drafter, nor while detached: those tokens are caught up later)."""
         return self.staging is not None and not (self.lazy is not None and self.lazy.detached)
+
+    def complete(self, seqs: list[Sequence]) -> bool:
+        """Whether the drafter may run for `seqs` with no catch-up first (attached, no gaps)."""
+        lazy = self.lazy
+        return lazy is None or (not lazy.detached
+                                and not lazy.pending_tokens(seqs, [True] * len(seqs)))
 
     def flush(self) -> None:
         """Writes every staged plain-step row now (before the drafter runs)."""

@@ -6,6 +6,7 @@ import dataclasses
 import itertools
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -14,13 +15,13 @@ from blockspec.dflash.metrics import SpecStats
 from blockspec.dflash.proposer import DFlashProposer, load_drafter
 from blockspec.engine.admission import check_token_ids, resolve_max_tokens, tokenize
 from blockspec.engine.backends import set_backends
-from blockspec.engine.commit import commit_step
+from blockspec.engine.commit import commit_step, fail_requests
 from blockspec.engine.detokenizer import IncrementalDetokenizer, eos_token_ids, load_tokenizer
 from blockspec.engine.kv_cache import BlockManager
 from blockspec.engine.memory import decide_num_blocks, kv_bytes_per_block, outside_kv_bytes
 from blockspec.engine.model_runner import ModelRunner
 from blockspec.engine.output_processor import OUTPUT_KINDS, EngineRequest, OutputProcessor
-from blockspec.engine.pipeline import PendingDecode, pipelinable
+from blockspec.engine.pipeline import PendingDecode, PendingSpec, pipelinable
 from blockspec.engine.scheduler import Scheduler, SchedulerOutput
 from blockspec.engine.sequence import Sequence
 from blockspec.engine.speculation import resolve_block_lens
@@ -199,22 +200,47 @@ class LLMEngine:
         commits the step in flight."""
         if not self.async_scheduling:
             return self._step()
+        if self.runner.proposer is not None:
+            return self._step_speculative()
         ahead = self.scheduler.schedule_ahead(self.max_model_len) \
             if pipelinable(self.scheduler.running) else None
         if ahead is not None:
-            return self._step_ahead(ahead)
+            return self._step_ahead(ahead, 1, lambda: self.runner.launch_ahead(ahead,
+                                                                                self._pending))
         return self._settle() + self._step()
 
-    def _step_ahead(self, seqs: list[Sequence]) -> list[RequestOutput]:
+    def _step_speculative(self) -> list[RequestOutput]:
+        """Async scheduling with a drafter: the step's one decision, then the step launched
+        ahead of the one in flight where it may run so (runs_ahead), else a synchronous step
+        with that choice (prefills, sampled rows, catch-ups, probes, attached plain steps)."""
+        seqs, chosen, prev = list(self.scheduler.running), None, self._pending
+        if not self.scheduler.waiting and pipelinable(seqs):
+            plan = self.runner.plan_ahead(seqs, self._step_context())
+            chosen, how = plan.block_len, self.runner.runs_ahead(seqs, plan)
+            if how == "spec" and not isinstance(prev, PendingDecode) \
+                    and self.scheduler.reserve_ahead(prev.block_len if prev else 0, chosen,
+                                                     self.max_model_len):
+                return self._step_ahead(seqs, chosen,
+                                        lambda: self.runner.launch_spec(seqs, plan, prev))
+            if how == "plain" and not isinstance(prev, PendingSpec) \
+                    and self.scheduler.schedule_ahead(self.max_model_len) is not None:
+                return self._step_ahead(seqs, 1,
+                                        lambda: self.runner.launch_ahead(seqs, prev, plan))
+        return self._settle() + self._step(chosen)
+
+    def _step_ahead(self, seqs: list[Sequence], block_len: int,
+                    launch: Callable[[], PendingDecode | PendingSpec]) -> list[RequestOutput]:
         prev, t0 = self._pending, time.perf_counter()
         try:
-            self._pending = self.runner.launch_ahead(seqs, prev)
+            self._pending = launch()
             outputs = self._commit_pending(prev) if prev is not None else []
         except Exception as e:
             self._pending = None
             raise StepError(e, self._fail(seqs)) from e
+        if all(s.is_finished for s in self._pending.seqs):
+            self._pending = None  # NOTE: nothing of it to commit; the device finishes it alone
         self.runner.timings.steps += 1
-        self.step_mix.add("ahead", 1, time.perf_counter() - t0,
+        self.step_mix.add("ahead", block_len, time.perf_counter() - t0,
                           self.committed_tokens if prev is not None else 0)
         return outputs
 
@@ -232,14 +258,15 @@ class LLMEngine:
         return outputs
 
     def _commit_pending(self, pending: PendingDecode) -> list[RequestOutput]:
-        sched, res, waited = pending.settle()
+        sched, res, waited = self.runner.settle(pending)
         self.runner.timings.device_wait += waited
         t0 = time.perf_counter()
         outputs = self._commit(sched, res)
         self.runner.timings.postprocess += time.perf_counter() - t0
         return outputs
 
-    def _step(self) -> list[RequestOutput]:
+    def _step(self, chosen_block_len: int | None = None) -> list[RequestOutput]:
+        """A synchronous step; `chosen_block_len`: the policy's choice made for it already."""
         t0 = time.perf_counter()
         lookahead = self.runner.planner.next_budget_lookahead()
         sched = self.scheduler.schedule(
@@ -247,13 +274,9 @@ class LLMEngine:
         if not sched:
             return []
         t1 = time.perf_counter()
-        n = len(self.scheduler.running) + len(self.scheduler.waiting)
-        ctl = self.runner.controller
-        drain = self._drain if ctl is not None and ctl.policy is not None and self.closed_batch \
-            and n <= self.config.max_num_seqs else None
+        ctx = dataclasses.replace(self._step_context(), chosen_block_len=chosen_block_len)
         try:
-            res = self.runner.execute(sched.seqs, sched.num_new_tokens,
-                                      StepContext(num_unfinished=n, drain=drain))
+            res = self.runner.execute(sched.seqs, sched.num_new_tokens, ctx)
             t2 = time.perf_counter()
             outputs = self._commit(sched, res)
         except Exception as e:
@@ -271,23 +294,20 @@ class LLMEngine:
         self.step_mix.add(res.path or "eager", res.block_len, t3 - t0, self.committed_tokens)
         return outputs
 
+    def _step_context(self) -> StepContext:
+        """The engine's side of the step's decision: the load, and the draining batch."""
+        n = len(self.scheduler.running) + len(self.scheduler.waiting)
+        ctl = self.runner.controller
+        drain = self._drain if ctl is not None and ctl.policy is not None and self.closed_batch \
+            and n <= self.config.max_num_seqs else None
+        return StepContext(num_unfinished=n, drain=drain)
+
     def _observe_step_time(self, seconds: float) -> None:
         """The step's wall time for the policy (a parallel worker takes rank 0's instead)."""
         self.runner.observe_step_time(seconds)
 
     def _fail(self, seqs: list[Sequence]) -> list[RequestOutput]:
-        """Finish the requests of a step that raised ("error"), freeing their KV blocks.
-        NOTE: a failed step committed nothing for them (num_computed_tokens did not advance past
-        their committed tokens), and the blocks it may have written are theirs alone: blocks
-        shared through the prefix cache hold only computed tokens, which no step rewrites."""
-        outputs = []
-        for seq in seqs:
-            req = self.requests.get(seq.request_id)
-            if req is None or seq.is_finished:
-                continue
-            self.scheduler.finish(seq, "error")
-            outputs.append(self.outputs.output(req))
-        return outputs
+        return fail_requests(seqs, self.outputs, self.scheduler)
 
     def _drain(self) -> Drain | None:
         """The draining batch, built when the policy asks (StepContext.drain): offered while

@@ -17,6 +17,7 @@ context altogether and it is caught up before the drafter next runs (see `lazy_c
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections import Counter
 
@@ -24,7 +25,6 @@ import torch
 
 from blockspec.config import ConfigError, EngineConfig, ModelConfig
 from blockspec.dflash.proposer import DFlashProposer
-from blockspec.engine.context_staging import ContextStaging, staging_rows
 from blockspec.engine.cost_profile import load_or_measure_costs
 from blockspec.engine.decode_exec import BlockDrafts, DecodeExecutor
 from blockspec.engine.decode_step import (
@@ -38,14 +38,14 @@ from blockspec.engine.decode_step import (
 from blockspec.engine.draft_context import DraftContext
 from blockspec.engine.flat_exec import build_flat
 from blockspec.engine.kv_cache import BlockManager
-from blockspec.engine.lazy_context import LazyDraftContext
 from blockspec.engine.mixed_step import MixedStep
-from blockspec.engine.pipeline import PendingDecode
+from blockspec.engine.pipeline import PendingDecode, PendingSpec
+from blockspec.engine.scheduler import SchedulerOutput
 from blockspec.engine.sequence import Sequence
 from blockspec.engine.speculation import SpecController
 from blockspec.engine.step_plan import Plan, StepPlanner
 from blockspec.engine.step_result import StepResult, StepTimings
-from blockspec.layers.attention import PagedAttention
+from blockspec.layers.attention import bind_kv_cache
 from blockspec.models.qwen3 import CausalLM
 from blockspec.policy.cost_model import StepCostModel
 from blockspec.policy.step_context import NO_CONTEXT, StepContext
@@ -73,7 +73,9 @@ class ModelRunner:
         self.default_generator.manual_seed(config.seed)
         # NOTE: one block more than the manager hands out: the trash block for padded lanes.
         self.trash_block = block_manager.num_blocks
-        self._bind_kv_cache()
+        self.kv_cache = bind_kv_cache(model, block_manager.num_blocks + 1,
+                                      block_manager.block_size, model_cfg.kv_cache_geometry,
+                                      dtype, self.device)
         self.max_block = proposer.block_size if proposer is not None else 1
         self.spec_lens = sorted(set(block_lens or []) | {self.max_block}) \
             if proposer is not None else []
@@ -85,7 +87,9 @@ class ModelRunner:
                                     synthetic=self.synthetic is not None,
                                     defer_context=proposer is not None and L == 1)
                       for L in [1, *self.spec_lens]}
-        self._init_draft_context()
+        self.context = DraftContext.build(config, model_cfg.hidden_size, model, proposer,
+                                          block_manager, self.trash_block, max_model_len, dtype)
+        self.staging, self.lazy = self.context.staging, self.context.lazy
         self.decode = self.steps[self.max_block]  # the fixed policy's step (and the AR step)
         max_blocks = -(-(max_model_len + self.max_block) // block_manager.block_size)
         self.bufs = StepBuffers.allocate(config.max_num_seqs, max_blocks, self.max_block,
@@ -119,34 +123,6 @@ class ModelRunner:
             self.controller = self._init_controller(adaptive)
         self.planner = StepPlanner(self.controller, self.lazy, self.spec_lens, self.max_block,
                                    max_model_len, config.max_num_batched_tokens, self.flat)
-
-    def _bind_kv_cache(self) -> None:
-        bm, cfg = self.bm, self.model_cfg
-        layers = [m for m in self.model.modules() if isinstance(m, PagedAttention)]
-        tensors, heads, dim = cfg.kv_cache_geometry
-        self.kv_cache = torch.zeros(tensors, len(layers), bm.num_blocks + 1, bm.block_size,
-                                    heads, dim, dtype=self.dtype, device=self.device)
-        # NOTE: an MLA layer's one latent cache is its K and its V cache (tensors == 1).
-        for i, layer in enumerate(layers):
-            layer.k_cache, layer.v_cache = self.kv_cache[0, i], self.kv_cache[tensors - 1, i]
-
-    def _init_draft_context(self) -> None:
-        """The plain steps' staged drafter context, and the lazy (detached) context."""
-        cfg, proposer = self.config, self.proposer
-        self.staging: ContextStaging | None = None
-        self.lazy: LazyDraftContext | None = None
-        self.context = DraftContext(None, None)
-        if proposer is None:
-            return
-        width = len(proposer.target_layer_ids) * self.model_cfg.hidden_size
-        self.staging = ContextStaging(proposer, self.bm, self.trash_block,
-                                      staging_rows(cfg.max_num_seqs), width, self.dtype,
-                                      self.device)
-        if cfg.use_lazy_draft_context:
-            self.lazy = LazyDraftContext(self.model, proposer, self.bm, self.staging,
-                                         self.trash_block, cfg.max_num_batched_tokens,
-                                         self.max_model_len, cfg.max_num_seqs, self.device)
-        self.context = DraftContext(self.staging, self.lazy)
 
     def _capture_graphs(self, adaptive: bool) -> None:
         """Graphs for every block length the policy can choose (fixed: the max block only)."""
@@ -273,13 +249,65 @@ class ModelRunner:
             self.controller.observe_step_time(n, block_len, seconds, caught_up=caught_up)
             self.timed_step = None
 
+    # -- async scheduling (engine/pipeline.py) -------------------------------------------------
+    def plan_ahead(self, seqs: list[Sequence], ctx: StepContext) -> Plan:
+        """The decision for a step of `seqs`, all decoding, made before the step in flight is
+        committed: the one decision of that step, whether it then runs ahead or not."""
+        n = len(seqs)
+        return self.planner.decide(seqs, [1] * n, ctx, decoding=[True] * n)
+
+    def runs_ahead(self, seqs: list[Sequence], plan: Plan) -> str | None:
+        """How `plan` may run ahead of the step in flight: "spec" (whole blocks on the decode
+        path with the drafter context complete), "plain" (a plain decode while the context is
+        detached: the target alone), else None. Never a probe: its price is measured by a
+        synchronous step."""
+        policy = self.controller.policy if self.controller is not None else None
+        if plan.path != "decode" or (policy is not None and policy.probing):
+            return None
+        if plan.block_len >= 2:
+            return "spec" if self.context.complete(seqs) else None
+        return "plain" if self.lazy is not None and self.lazy.detached else None
+
     @torch.inference_mode()
-    def launch_ahead(self, seqs: list[Sequence], prev: PendingDecode | None) -> PendingDecode:
+    def launch_spec(self, seqs: list[Sequence], plan: Plan, prev: PendingSpec | None
+                    ) -> PendingSpec:
+        """The speculative step `plan` of `seqs` launched without waiting for `prev`."""
+        t0 = time.perf_counter()
+        self.path_steps["ahead"] += 1
+        self.context.before_step(seqs, plan)  # NOTE: flushes staged rows; no catch-up is due
+        L = plan.block_len
+        pending = self.decoder.launch_spec(seqs, plan, self.steps[L], self.graphs_by_len.get(L),
+                                           prev, self.synthetic)
+        self.timings.runner_host += time.perf_counter() - t0
+        return pending
+
+    def settle(self, pending: PendingDecode | PendingSpec
+               ) -> tuple[SchedulerOutput, StepResult, float]:
+        """Waits for a step launched ahead; what to commit (see PendingDecode.settle), after the
+        drafter-context counts and the acceptance statistics a synchronous step keeps."""
+        sched, res, waited = pending.settle()
+        n = len(res.sampled_seqs)
+        if isinstance(pending, PendingSpec):
+            plan = dataclasses.replace(pending.plan, decoding=[True] * n,
+                                       blens=[pending.block_len] * n)
+            self.context.after_step(res.sampled_seqs, plan, res.advance)
+        if self.controller is not None and n:
+            self.controller.observe(pending.block_len, res.drafted, res.accepted)
+        return sched, res, waited
+
+    @torch.inference_mode()
+    def launch_ahead(self, seqs: list[Sequence], prev: PendingDecode | None,
+                     plan: Plan | None = None) -> PendingDecode:
         """A plain decode step of `seqs` launched without waiting for `prev`'s tokens (async
-        scheduling, engine/pipeline.py; the target alone)."""
+        scheduling, engine/pipeline.py): the target alone, or with a drafter the detached
+        step `plan` (runs_ahead "plain")."""
         t0 = time.perf_counter()
         self.path_steps["decode"] += 1
-        pending = self.decoder.launch(seqs, self.steps[1], self.graphs_by_len.get(1), prev)
+        step, graphs = self.steps[1], self.graphs_by_len.get(1)
+        if plan is not None:
+            self.context.before_step(seqs, plan)  # NOTE: detached: counts the plain streak
+            step, graphs = self.context.plain_step(step, graphs)
+        pending = self.decoder.launch(seqs, step, graphs, prev)
         self.timings.runner_host += time.perf_counter() - t0
         return pending
 

@@ -121,6 +121,27 @@ class Scheduler:
             bm.allocate(s, 1)
         return list(self.running)
 
+    def reserve_ahead(self, in_flight: int, block_len: int, max_model_len: int) -> bool:
+        """KV blocks for a speculative step of block `block_len` of every running sequence,
+        launched before the step in flight (block `in_flight`, 0 if none) is committed: for the
+        worst case, where that step accepts every draft. False, reserving nothing, where the
+        step cannot run ahead: a request waits, the step in flight could end a sequence at its
+        max_tokens (the next step would then compute past it), the context would pass
+        max_model_len, or the cache lacks blocks (the synchronous step then preempts)."""
+        if self.waiting:
+            return False
+        bm, need = self.block_manager, 0
+        for s in self.running:
+            if len(s.output_token_ids) + in_flight >= s.max_tokens \
+                    or s.num_computed_tokens + in_flight + block_len > max_model_len:
+                return False
+            need += bm.num_blocks_needed(s, in_flight + block_len)
+        if need > len(bm.free_blocks):
+            return False
+        for s in self.running:
+            bm.allocate(s, in_flight + block_len)
+        return True
+
     def _schedule_running(self, out: SchedulerOutput, budget: int, prefill: int,
                           budget_lookahead: int) -> tuple[int, int]:
         """Running sequences, oldest first, into `out` (preempting the newest when the cache is

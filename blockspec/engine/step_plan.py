@@ -45,10 +45,13 @@ class StepPlanner:
         # (see next_budget_lookahead).
         self.last_block_len = self.budget_block_len = max_block
 
-    def decide(self, seqs: list[Sequence], num_new_tokens: list[int],
-               ctx: StepContext) -> Plan:
-        decoding = [n == 1 and s.num_computed_tokens == s.num_tokens - 1
-                    for s, n in zip(seqs, num_new_tokens)]
+    def decide(self, seqs: list[Sequence], num_new_tokens: list[int], ctx: StepContext,
+               decoding: list[bool] | None = None) -> Plan:
+        """`decoding` given: which sequences decode, where their state cannot tell (a plain
+        step in flight has computed a token the host does not hold yet)."""
+        if decoding is None:
+            decoding = [n == 1 and s.num_computed_tokens == s.num_tokens - 1
+                        for s, n in zip(seqs, num_new_tokens)]
         L = self._choose(seqs, decoding, ctx)
         blens = self._blocks(seqs, decoding, L)
         whole = blens is None or all(b == L for b, d in zip(blens, decoding) if d)
@@ -74,6 +77,15 @@ class StepPlanner:
         if self.controller is None:
             return 1
         n_dec = sum(decoding)
+        # NOTE: a choice made already (StepContext.chosen_block_len) is not made twice.
+        L = ctx.chosen_block_len if ctx.chosen_block_len is not None \
+            else self._policy_choice(seqs, decoding, n_dec, ctx)
+        if not n_dec:
+            return 1
+        return self._fit_budget(L, n_dec, len(seqs)) if L > self.budget_block_len else L
+
+    def _policy_choice(self, seqs: list[Sequence], decoding: list[bool], n_dec: int,
+                       ctx: StepContext) -> int:
         n_policy = n_dec
         if self.lazy is not None:
             # NOTE: also in a step that only prefills: the load rule detaches before prefills
@@ -82,8 +94,8 @@ class StepPlanner:
             ctx = dataclasses.replace(ctx, switch_cost=self.lazy.switch_cost(seqs, decoding))
         if not n_dec:
             return 1
-        L = self.last_block_len = self.controller.choose(n_policy, ctx)
-        return self._fit_budget(L, n_dec, len(seqs)) if L > self.budget_block_len else L
+        self.last_block_len = self.controller.choose(n_policy, ctx)
+        return self.last_block_len
 
     def _blocks(self, seqs: list[Sequence], decoding: list[bool], L: int) -> list[int] | None:
         """Tokens verified per decoding sequence at L >= 2: its last token plus L - 1 drafts,

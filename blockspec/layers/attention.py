@@ -164,3 +164,18 @@ class PagedAttention(nn.Module):
         if k is not None:
             self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         return self.backend.attend(q, self.k_cache, self.v_cache, meta, self.scale)
+
+
+def bind_kv_cache(model: nn.Module, num_blocks: int, block_size: int,
+                  geometry: tuple[int, int, int], dtype: torch.dtype,
+                  device: torch.device) -> torch.Tensor:
+    """One zeroed cache tensor [tensors, layers, num_blocks, block_size, heads, dim] for the
+    model's PagedAttention layers, each bound to its slices. NOTE: an MLA layer's one latent
+    cache is its K and its V cache (tensors == 1)."""
+    layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
+    tensors, heads, dim = geometry
+    cache = torch.zeros(tensors, len(layers), num_blocks, block_size, heads, dim, dtype=dtype,
+                        device=device)
+    for i, layer in enumerate(layers):
+        layer.k_cache, layer.v_cache = cache[0, i], cache[tensors - 1, i]
+    return cache

@@ -24,6 +24,10 @@ class StepContext:
     num_unfinished: int = 0  # running + waiting requests (the lazy context's load rule)
     drain: DrainArg = None  # set while a closed batch drains (every request running)
     switch_cost: SwitchCost | None = None
+    # The block length the policy already chose for this step (async scheduling decides before
+    # it commits the step in flight, and a step that cannot run ahead then runs synchronously
+    # with that choice): no second decision.
+    chosen_block_len: int | None = None
 
 
 NO_CONTEXT = StepContext()  # a step with nothing known beyond its batch (tests, benchmarks)
