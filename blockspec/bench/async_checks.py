@@ -5,7 +5,9 @@ synchronous engine's tokens. Run by benchmarks/gpu_checks.py.
 - the demo pair (a trained drafter: real, varying acceptance), fp32, fixed block 16, greedy,
   code prompts: async == sync token for token;
 - a tiny random Qwen3 with the LABELLED synthetic acceptance a = 0.6 (benchmark-only mode; the
-  accepted counts vary by design), fixed block 8, fp32: async == sync;
+  accepted counts vary by design), fixed block 8, fp32: async == sync, one request per engine
+  (a batch's draws follow its rows, and the async engine keeps a finishing request in the batch
+  one step longer, which shifts later rows' draws);
 each with the steps launched ahead counted (the check fails if none ran ahead).
 """
 
@@ -56,9 +58,10 @@ def check_async_speculation(tmp: Path, report: dict[str, Any], device: str = "cu
                {**base, "draft": str(DEMO / "drafter"), "block_size": 16}, report)
     target = build_tiny_model(tmp / "async_qwen3", arch="qwen3")
     drafter = build_random_drafter(tmp / "async_drafter", target, num_layers=2, block_size=8)
-    ids = [[(7 * i + 3 * j) % 200 + 1 for j in range(5 + 9 * i)] for i in range(12)]
-    ok &= _pair("async_synthetic_a0.6", target, ids,
-                SamplingParams(temperature=0, max_tokens=96, ignore_eos=True),
-                {**base, "draft": str(drafter), "synthetic_acceptance": 0.6,
-                 "benchmark_mode": True}, report)
+    for i in (1, 6):
+        ids = [[(7 * i + 3 * j) % 200 + 1 for j in range(5 + 9 * i)]]
+        ok &= _pair(f"async_synthetic_a0.6_prompt{i}", target, ids,
+                    SamplingParams(temperature=0, max_tokens=96, ignore_eos=True),
+                    {**base, "draft": str(drafter), "synthetic_acceptance": 0.6,
+                     "benchmark_mode": True}, report)
     assert ok

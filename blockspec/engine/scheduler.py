@@ -125,15 +125,16 @@ class Scheduler:
         """KV blocks for a speculative step of block `block_len` of every running sequence,
         launched before the step in flight (block `in_flight`, 0 if none) is committed: for the
         worst case, where that step accepts every draft. False, reserving nothing, where the
-        step cannot run ahead: a request waits, the step in flight could end a sequence at its
-        max_tokens (the next step would then compute past it), the context would pass
-        max_model_len, or the cache lacks blocks (the synchronous step then preempts)."""
+        step cannot run ahead: a request waits, the context would pass max_model_len, or the
+        cache lacks blocks (the synchronous step then preempts).
+        NOTE: a sequence that the step in flight ends (max_tokens, EOS, a stop) computes one
+        block more, which is dropped: its K/V lands past its committed tokens, in blocks that
+        no later step reads before this one has run (one stream)."""
         if self.waiting:
             return False
         bm, need = self.block_manager, 0
         for s in self.running:
-            if len(s.output_token_ids) + in_flight >= s.max_tokens \
-                    or s.num_computed_tokens + in_flight + block_len > max_model_len:
+            if s.num_computed_tokens + in_flight + block_len > max_model_len:
                 return False
             need += bm.num_blocks_needed(s, in_flight + block_len)
         if need > len(bm.free_blocks):
