@@ -15,7 +15,8 @@ finishes.
 `--engine-args` go to every run (AR and DFlash alike): a what-if beside the defaults.
 `--async-ab`: instead of DFlash, AR with `--async-scheduling` against AR (both engines plain).
 `--async-spec`: beside the default runs, AR and DFlash again with `--async-scheduling`, each set
-against its synchronous twin and DFlash-async against AR-async.
+against its synchronous twin and DFlash-async against AR-async. `--async-only`: every run (AR and
+DFlash) with `--async-scheduling` and nothing else (files named `*_async_only`).
 """
 
 from __future__ import annotations
@@ -92,20 +93,23 @@ def main() -> int:
                     help="AR with --async-scheduling against AR, in place of DFlash")
     ap.add_argument("--async-spec", action="store_true",
                     help="AR and DFlash also with --async-scheduling")
+    ap.add_argument("--async-only", action="store_true",
+                    help="AR and DFlash with --async-scheduling only")
     args = ap.parse_args()
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    extra = shlex.split(args.engine_args)
+    extra = shlex.split(args.engine_args) + (["--async-scheduling"] if args.async_only else [])
+    sfx = "_async_only" if args.async_only else ""
     demo = ["--dataset", "benchmarks/prompts/code.jsonl", "--concurrency", args.demo_concurrency,
             *extra]
     res: dict = {"benchmark": "closed_loop_sweep", "command": recorded_command(
         "benchmarks/closed_loop_sweep.py"), "commit": git_commit()}
     res["engine_args"] = args.engine_args
     if not args.skip_demo:
-        ar = bench(out, "demo_ar", [*demo, "--draft", "none"])
+        ar = bench(out, f"demo_ar{sfx}", [*demo, "--draft", "none"])
         res["demo"] = compare(ar, bench(out, "demo_ar_async", [*demo, "--draft", "none",
                                                                "--async-scheduling"]), "async") \
-            if args.async_ab else compare(ar, bench(out, "demo_default", demo))
+            if args.async_ab else compare(ar, bench(out, f"demo_default{sfx}", demo))
         if args.async_spec:
             res.update(async_rows(out, "demo", ar, [*demo, "--draft", "none"], demo))
     if not args.skip_big:
@@ -113,19 +117,19 @@ def main() -> int:
             target, drafter = write_folders(Path(d))
             big = ["--model", str(target), "--load-format", "dummy", "--dataset", "random",
                    "--input-len", str(INPUT_LEN), "--concurrency", args.big_concurrency, *extra]
-            ar = bench(out, "qwen3_8b_ar", big)
+            ar = bench(out, f"qwen3_8b_ar{sfx}", big)
             if args.async_ab:
                 res["qwen3_8b_async"] = compare(ar, bench(out, "qwen3_8b_ar_async",
                                                           [*big, "--async-scheduling"]), "async")
             acceptances = [] if args.async_ab else [float(x) for x in args.acceptance.split(",")]
             for a in acceptances:
-                spec = bench(out, f"qwen3_8b_adaptive_a{a}",
+                spec = bench(out, f"qwen3_8b_adaptive_a{a}{sfx}",
                              [*big, "--draft", str(drafter), "--synthetic-acceptance", str(a)])
                 res[f"qwen3_8b_a{a}"] = compare(ar, spec)
                 if args.async_spec:
                     res.update(async_rows(out, f"qwen3_8b_a{a}", ar, big, [
                         *big, "--draft", str(drafter), "--synthetic-acceptance", str(a)]))
-    first = "qwen3_8b_ar" if args.skip_demo else "demo_ar"
+    first = ("qwen3_8b_ar" if args.skip_demo else "demo_ar") + sfx
     res["environment"] = json.loads((out / f"{first}.json").read_text())["environment"]
     (out / "closed_loop_sweep.json").write_text(json.dumps(res, indent=1) + "\n")
     for key in [k for k in res if k.startswith(("demo", "qwen3"))]:
