@@ -51,12 +51,6 @@ class DraftContext:
         without a drafter, nor while detached: those tokens are caught up later)."""
         return self.staging is not None and not (self.lazy is not None and self.lazy.detached)
 
-    def complete(self, seqs: list[Sequence]) -> bool:
-        """Whether the drafter may run for `seqs` with no catch-up first (attached, no gaps)."""
-        lazy = self.lazy
-        return lazy is None or (not lazy.detached
-                                and not lazy.pending_tokens(seqs, [True] * len(seqs)))
-
     def flush(self) -> None:
         """Writes every staged plain-step row now (before the drafter runs)."""
         if self.staging is not None:

@@ -27,11 +27,11 @@ from blockspec.engine.sequence import Sequence
 from blockspec.engine.speculation import resolve_block_lens
 from blockspec.engine.step_error import StepError
 from blockspec.engine.step_mix import StepMix
+from blockspec.engine.step_plan import step_context
 from blockspec.engine.step_result import StepResult, StepTimings
 from blockspec.layers.counter_rng import derive_seed
 from blockspec.models.loader import load_model
 from blockspec.outputs import RequestOutput
-from blockspec.policy.drain import Drain
 from blockspec.policy.step_context import StepContext
 from blockspec.sampling_params import SamplingParams
 
@@ -215,8 +215,9 @@ class LLMEngine:
         with that choice (prefills, sampled rows, catch-ups, probes, attached plain steps)."""
         seqs, chosen, prev = list(self.scheduler.running), None, self._pending
         if not self.scheduler.waiting and pipelinable(seqs):
-            plan = self.runner.plan_ahead(seqs, self._step_context())
-            chosen, how = plan.block_len, self.runner.runs_ahead(seqs, plan)
+            planner = self.runner.planner
+            plan = planner.plan_ahead(seqs, self._step_context())
+            chosen, how = plan.block_len, planner.runs_ahead(seqs, plan)
             if how == "spec" and not isinstance(prev, PendingDecode) \
                     and self.scheduler.reserve_ahead(prev.block_len if prev else 0, chosen,
                                                      self.max_model_len):
@@ -295,12 +296,9 @@ class LLMEngine:
         return outputs
 
     def _step_context(self) -> StepContext:
-        """The engine's side of the step's decision: the load, and the draining batch."""
-        n = len(self.scheduler.running) + len(self.scheduler.waiting)
         ctl = self.runner.controller
-        drain = self._drain if ctl is not None and ctl.policy is not None and self.closed_batch \
-            and n <= self.config.max_num_seqs else None
-        return StepContext(num_unfinished=n, drain=drain)
+        return step_context(self.scheduler, self.config.max_num_seqs, drains=self.closed_batch
+                            and ctl is not None and ctl.policy is not None)
 
     def _observe_step_time(self, seconds: float) -> None:
         """The step's wall time for the policy (a parallel worker takes rank 0's instead)."""
@@ -308,14 +306,6 @@ class LLMEngine:
 
     def _fail(self, seqs: list[Sequence]) -> list[RequestOutput]:
         return fail_requests(seqs, self.outputs, self.scheduler)
-
-    def _drain(self) -> Drain | None:
-        """The draining batch, built when the policy asks (StepContext.drain): offered while
-        `closed_batch` and every unfinished request fits in the running batch (no later one
-        takes a finished one's slot)."""
-        left = [s.num_tokens_left
-                for s in itertools.chain(self.scheduler.running, self.scheduler.waiting)]
-        return Drain.of(left) if left else None
 
     def _commit(self, sched: SchedulerOutput, res: StepResult) -> list[RequestOutput]:
         outputs, self.finish_seconds, self.committed_tokens = commit_step(

@@ -250,24 +250,6 @@ class ModelRunner:
             self.timed_step = None
 
     # -- async scheduling (engine/pipeline.py) -------------------------------------------------
-    def plan_ahead(self, seqs: list[Sequence], ctx: StepContext) -> Plan:
-        """The decision for a step of `seqs`, all decoding, made before the step in flight is
-        committed: the one decision of that step, whether it then runs ahead or not."""
-        n = len(seqs)
-        return self.planner.decide(seqs, [1] * n, ctx, decoding=[True] * n)
-
-    def runs_ahead(self, seqs: list[Sequence], plan: Plan) -> str | None:
-        """How `plan` may run ahead of the step in flight: "spec" (whole blocks on the decode
-        path with the drafter context complete), "plain" (a plain decode while the context is
-        detached: the target alone), else None. Never a probe: its price is measured by a
-        synchronous step."""
-        policy = self.controller.policy if self.controller is not None else None
-        if plan.path != "decode" or (policy is not None and policy.probing):
-            return None
-        if plan.block_len >= 2:
-            return "spec" if self.context.complete(seqs) else None
-        return "plain" if self.lazy is not None and self.lazy.detached else None
-
     @torch.inference_mode()
     def launch_spec(self, seqs: list[Sequence], plan: Plan, prev: PendingSpec | None
                     ) -> PendingSpec:
@@ -300,7 +282,7 @@ class ModelRunner:
                      plan: Plan | None = None) -> PendingDecode:
         """A plain decode step of `seqs` launched without waiting for `prev`'s tokens (async
         scheduling, engine/pipeline.py): the target alone, or with a drafter the detached
-        step `plan` (runs_ahead "plain")."""
+        step `plan` (StepPlanner.runs_ahead "plain")."""
         t0 = time.perf_counter()
         self.path_steps["decode"] += 1
         step, graphs = self.steps[1], self.graphs_by_len.get(1)

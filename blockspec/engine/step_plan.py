@@ -5,12 +5,15 @@ runs the step."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass
 
 from blockspec.engine.flat_exec import FlatForward
 from blockspec.engine.lazy_context import LazyDraftContext
+from blockspec.engine.scheduler import Scheduler
 from blockspec.engine.sequence import Sequence
 from blockspec.engine.speculation import SpecController
+from blockspec.policy.drain import Drain
 from blockspec.policy.step_context import StepContext
 
 
@@ -64,6 +67,27 @@ class StepPlanner:
             path = "eager"
         return Plan(decoding, L, blens, path)
 
+    def plan_ahead(self, seqs: list[Sequence], ctx: StepContext) -> Plan:
+        """The decision for a step of `seqs`, all decoding, made before the step in flight is
+        committed (async scheduling): the one decision of that step, run ahead or not."""
+        n = len(seqs)
+        return self.decide(seqs, [1] * n, ctx, decoding=[True] * n)
+
+    def runs_ahead(self, seqs: list[Sequence], plan: Plan) -> str | None:
+        """How `plan` may run ahead of the step in flight: "spec" (whole blocks on the decode
+        path, the drafter context complete), "plain" (a plain decode while the context is
+        detached: the target alone), else None. Never a probe: a synchronous step measures
+        its price."""
+        policy = self.controller.policy if self.controller is not None else None
+        if plan.path != "decode" or (policy is not None and policy.probing):
+            return None
+        lazy = self.lazy
+        if plan.block_len >= 2:
+            complete = lazy is None or (not lazy.detached and not lazy.pending_tokens(
+                seqs, plan.decoding))
+            return "spec" if complete else None
+        return "plain" if lazy is not None and lazy.detached else None
+
     def next_budget_lookahead(self) -> int:
         """Lookahead tokens per decoding sequence for the next step's token budget (the
         scheduler's budget_lookahead): the policy's last choice - 1, since a policy that just
@@ -113,3 +137,16 @@ class StepPlanner:
         limit = self.budget_block_len if num_decoding < num_seqs else max(
             self.budget_block_len, self.max_num_batched_tokens // num_decoding)
         return max([1, *(x for x in self.spec_lens if x <= min(L, limit))])
+
+
+def step_context(scheduler: Scheduler, max_num_seqs: int, drains: bool) -> StepContext:
+    """The engine's side of a step's decision: the load, and, where `drains` (a closed batch
+    with an adaptive policy) and every unfinished request fits in the running batch (no later
+    one takes a finished one's slot), the draining batch, built when the policy asks."""
+    n = len(scheduler.running) + len(scheduler.waiting)
+
+    def drain() -> Drain | None:
+        left = [s.num_tokens_left for s in itertools.chain(scheduler.running, scheduler.waiting)]
+        return Drain.of(left) if left else None
+
+    return StepContext(num_unfinished=n, drain=drain if drains and n <= max_num_seqs else None)
