@@ -107,6 +107,37 @@ def record_drafter(llm) -> list[torch.Tensor]:
     return out
 
 
+def count_calls(monkeypatch, cls, name: str) -> list:
+    """Wraps `cls.name` for the test; the returned list gets each call's positional arguments
+    (after self)."""
+    calls = []
+    method = getattr(cls, name)
+
+    def counted(self, *args):
+        calls.append(args)
+        return method(self, *args)
+
+    monkeypatch.setattr(cls, name, counted)
+    return calls
+
+
+def abort_in_flight(llm, prompts, params, steps: int) -> list[list[int]]:
+    """Adds `prompts`, steps `steps` times, aborts the second request while a step launched
+    ahead is in flight (async scheduling), and runs the rest to the end: the other requests'
+    token ids; asserts the aborted one returned no finished output and no KV block leaked."""
+    eng = llm.engine
+    ids = [eng.add_request(p, params) for p in prompts]
+    done = {}
+    for _ in range(steps):
+        done.update({o.request_id: o for o in eng.step() if o.finished})
+    assert eng._pending is not None
+    assert eng.abort(ids[1]).finish_reason == "abort"
+    while eng.has_unfinished():
+        done.update({o.request_id: o for o in eng.step() if o.finished})
+    assert ids[1] not in done and eng.block_manager.num_free_blocks == eng.block_manager.num_blocks
+    return [done[i].token_ids for i in ids if i != ids[1]]
+
+
 def cpu_llm(model, draft=None, **kw):
     """A CPU engine with a roomy KV cache; with a drafter, no cost-profile file (tests)."""
     from blockspec import LLM
