@@ -70,7 +70,8 @@ def test_defaults_and_config(qwen3_path, drafter):
                     (dict(block_size=8, block_sizes=(4, 16)), "exceed block_size 8"),
                     (dict(block_sizes=(1, 4)), ">= 2"),
                     (dict(block_sizes=()), "empty"),
-                    (dict(speculation_policy="greedy"), "adaptive or fixed")]:
+                    (dict(speculation_policy="greedy"), "adaptive or fixed"),
+                    (dict(max_num_batched_tokens=8), r"must be >= the block size \(16\)")]:
         with pytest.raises(ConfigError, match=msg):
             spec_llm(qwen3_path, drafter, **kw)
     with pytest.raises(ConfigError, match="need a draft model"):

@@ -76,9 +76,6 @@ class LLMEngine:
                                    self.device, config.load_format)
             self.spec_block_size, self.spec_block_lens = resolve_block_lens(
                 config, drafter.config.block_size)
-            if config.max_num_batched_tokens < self.spec_block_size:
-                raise ConfigError(f"max_num_batched_tokens ({config.max_num_batched_tokens}) "
-                                  f"must be >= the block size ({self.spec_block_size})")
             # NOTE: the drafter's pool shares the block ids: each block costs both pools' bytes.
             per_block += kv_bytes_per_block(drafter.config.geometry, config.kv_block_size,
                                             self.dtype)
@@ -195,7 +192,7 @@ class LLMEngine:
         return self.runner.timings
 
     def step(self) -> list[RequestOutput]:
-        """One engine step. With async scheduling, a decode step that can run ahead is launched
+        """One engine step. With async scheduling a decode step that may run ahead is launched
         and the previous one's outputs returned (engine/pipeline.py); any other step first
         commits the step in flight."""
         if not self.async_scheduling:

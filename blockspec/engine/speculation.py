@@ -64,6 +64,9 @@ def resolve_block_lens(config: EngineConfig, trained_block_size: int) -> tuple[i
         what = "block size" if config.block_size else "block sizes"
         raise ConfigError(f"{what} {max_block} must be in [2, {trained_block_size}] (the "
                           f"drafter was trained with block_size {trained_block_size})")
+    if config.max_num_batched_tokens < max_block:
+        raise ConfigError(f"max_num_batched_tokens ({config.max_num_batched_tokens}) "
+                          f"must be >= the block size ({max_block})")
     if sizes is None:
         sizes = tuple(s for s in DEFAULT_BLOCK_SIZES if s < max_block)
     return max_block, sorted(set(sizes) | {max_block})
