@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -15,6 +17,8 @@ from blockspec.model_config import (  # noqa: F401 - the configs' one import pat
     parse_dtype,
     read_config_json,
 )
+
+log = logging.getLogger("blockspec")
 
 
 @dataclass
@@ -235,3 +239,17 @@ class EngineConfig:
         if str(self.device).startswith("cpu"):
             return torch.float32
         return torch.bfloat16 if checkpoint_dtype == torch.float32 else checkpoint_dtype
+
+    def for_model(self, mc: ModelConfig) -> tuple[EngineConfig, int]:
+        """This config as the engine runs `mc`, and the max model length it resolves to."""
+        config = self
+        if mc.moe is not None and not self.enforce_eager and self.device != "cpu" \
+                and self.linear_backend == "torch":
+            # NOTE: the torch experts read the router's choice on the host, which no graph
+            # captures; the grouped GEMMs (layers/fused_moe.py, the CUDA default) are captured.
+            log.warning("MoE target with linear_backend='torch': CUDA graphs off")
+            config = dataclasses.replace(self, enforce_eager=True)
+        if self.max_model_len is not None and self.max_model_len > mc.max_position_embeddings:
+            raise ConfigError(f"max_model_len {self.max_model_len} exceeds the model's "
+                              f"max_position_embeddings {mc.max_position_embeddings}")
+        return config, self.max_model_len or mc.max_position_embeddings

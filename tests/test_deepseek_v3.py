@@ -56,6 +56,26 @@ def test_config_reads_mla_and_moe(ds_path):
     assert cfg.kv_cache_geometry == (1, 1, 40)  # one latent per token and layer
 
 
+def test_engine_config_for_the_model(ds_path, caplog, monkeypatch):
+    """The torch experts on CUDA turn graphs off (they read the router's choice on the host);
+    a max_model_len beyond the model's positions is refused."""
+    from blockspec.config import EngineConfig
+    from blockspec.errors import ConfigError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # configs only: no GPU work
+    mc = ModelConfig.from_pretrained(ds_path)
+    config, max_len = EngineConfig(model=str(ds_path), device="cuda",
+                                   linear_backend="torch").for_model(mc)
+    assert config.enforce_eager and max_len == mc.max_position_embeddings
+    assert "CUDA graphs off" in caplog.text
+    for kw in (dict(device="cuda"), dict(device="cpu", linear_backend="torch")):
+        assert not EngineConfig(model=str(ds_path), **kw).for_model(mc)[0].enforce_eager
+    assert EngineConfig(model=str(ds_path), max_model_len=64).for_model(mc)[1] == 64
+    with pytest.raises(ConfigError, match="exceeds the model's max_position_embeddings"):
+        EngineConfig(model=str(ds_path),
+                     max_model_len=mc.max_position_embeddings + 1).for_model(mc)
+
+
 @torch.no_grad()
 def test_prefill_and_decode_logits_match_hf(ds_path, hf):
     model = load_model(ds_path, ModelConfig.from_pretrained(ds_path), torch.float32, "cpu")

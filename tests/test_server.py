@@ -546,7 +546,9 @@ def test_engine_thread_death_is_503_not_a_hang(qwen3_path, monkeypatch):
 
 
 # -- speculative decoding --------------------------------------------------------------------------
-def test_dflash_server_is_lossless_and_exports_acceptance(qwen3_path, tmp_path, client):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_dflash_server_is_lossless_and_exports_acceptance(qwen3_path, tmp_path, client,
+                                                          async_scheduling):
     from blockspec.dflash.checkpoint import build_random_drafter
 
     drafter = build_random_drafter(tmp_path / "drafter", qwen3_path, num_layers=2, block_size=4)
@@ -554,7 +556,7 @@ def test_dflash_server_is_lossless_and_exports_acceptance(qwen3_path, tmp_path, 
     # the fixed policy: the adaptive one chooses from step costs measured on this (maybe loaded)
     # machine, and may decode plainly throughout (no verify step to count)
     eng = make_engine(qwen3_path, draft=str(drafter), block_size=4, block_sizes=(4,),
-                      speculation_policy="fixed")
+                      speculation_policy="fixed", async_scheduling=async_scheduling)
     kw = {"model": MODEL, "prompt": PROMPT, "max_tokens": 20, "temperature": 0,
           "ignore_eos": True}
     # the reference is the plain (no drafter) server's greedy text
@@ -569,6 +571,7 @@ def test_dflash_server_is_lossless_and_exports_acceptance(qwen3_path, tmp_path, 
                        if line.startswith("data: {"))
         assert text == ref
         m = tc.get("/metrics").text
+    assert (eng.runner.path_steps["ahead"] > 0) == async_scheduling
 
     def value(name: str) -> float:
         return float(re.search(rf"^{name} (\S+)$", m, re.M).group(1))

@@ -42,17 +42,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig) -> None:
         self.model_config = ModelConfig.from_pretrained(config.model_path)
         mc = self.model_config
-        if mc.moe is not None and not config.enforce_eager and config.device != "cpu" \
-                and config.linear_backend == "torch":
-            # NOTE: the torch experts read the router's choice on the host, which no graph
-            # captures; the grouped GEMMs (layers/fused_moe.py, the CUDA default) are captured.
-            log.warning("MoE target with linear_backend='torch': CUDA graphs off")
-            config = dataclasses.replace(config, enforce_eager=True)
-        self.config = config
-        if config.max_model_len is not None and config.max_model_len > mc.max_position_embeddings:
-            raise ConfigError(f"max_model_len {config.max_model_len} exceeds the model's "
-                              f"max_position_embeddings {mc.max_position_embeddings}")
-        self.max_model_len = config.max_model_len or mc.max_position_embeddings
+        self.config, self.max_model_len = config.for_model(mc)
+        config = self.config
         self.dtype = config.resolve_dtype(mc.dtype)
         torch.manual_seed(config.seed)
         self.device = torch.device(config.device)
@@ -104,7 +95,7 @@ class LLMEngine:
         self.runner = ModelRunner(config, kv_config, self.model, self.block_manager, self.dtype,
                                   self.max_model_len, proposer, self.spec_block_lens)
         self.async_scheduling = config.async_scheduling
-        self._pending: PendingDecode | None = None  # the decode step in flight (async)
+        self._pending: PendingDecode | PendingSpec | None = None  # the step in flight
         self.spec_stats = SpecStats()
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len,
                                        count_plain_steps=proposer is not None)
@@ -255,7 +246,7 @@ class LLMEngine:
         self.step_mix.add("settle", 1, time.perf_counter() - t0, self.committed_tokens)
         return outputs
 
-    def _commit_pending(self, pending: PendingDecode) -> list[RequestOutput]:
+    def _commit_pending(self, pending: PendingDecode | PendingSpec) -> list[RequestOutput]:
         sched, res, waited = self.runner.settle(pending)
         self.runner.timings.device_wait += waited
         t0 = time.perf_counter()
