@@ -13,7 +13,8 @@ Speculative decode (`PendingSpec`): the host does not know how many tokens the s
 commits (1 to its block length), so the next step's newest token (the target's pick after the
 accepted drafts) and context length (+ accepted + 1) are computed on the device, and the host
 reserves KV blocks for the worst case (every draft accepted). `num_computed_tokens` advances
-when the step is committed, by what it accepted.
+when the step is committed, by what it accepted. A sequence that the step in flight ends (EOS, a
+stop, max_tokens) has its next block computed too, which is dropped.
 """
 
 from __future__ import annotations
