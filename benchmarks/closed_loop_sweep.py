@@ -14,8 +14,8 @@ finishes.
 
 `--engine-args` go to every run (AR and DFlash alike): a what-if beside the defaults.
 `--async-ab`: instead of DFlash, AR with `--async-scheduling` against AR (both engines plain).
-`--async-spec`: beside the default runs, AR and DFlash again with `--async-scheduling`, each set
-against its synchronous twin and DFlash-async against AR-async. `--async-only`: every run (AR and
+`--async-spec`: beside the default runs, AR and DFlash again with `--async-scheduling`: DFlash-async
+against AR and AR-async, AR-async against AR. `--async-only`: every run (AR and
 DFlash) with `--async-scheduling` and nothing else (files named `*_async_only`).
 """
 
@@ -66,9 +66,8 @@ def compare(ar: dict, spec: dict, other: str = "dflash") -> dict:
 
 def async_rows(out: Path, key: str, ar: dict, ar_args: list[str], spec_args: list[str]
                ) -> dict:
-    """`--async-spec`: DFlash with `--async-scheduling` against AR, against synchronous DFlash
-    (whose JSON is `spec_args`' run already made) and against AR with `--async-scheduling` (run
-    once per set: its file is reused)."""
+    """`--async-spec`: DFlash with `--async-scheduling` against AR and against AR with
+    `--async-scheduling` (run once per set: its file is reused), and that AR against AR."""
     flag = ["--async-scheduling"]
     name = key.split("_a")[0] if key.startswith("qwen3") else key
     ar_async_path = out / f"{name}_ar_async.json"
