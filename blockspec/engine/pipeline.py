@@ -58,6 +58,17 @@ def _to_host(t: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
     return host, event
 
 
+def _rows(own: list[Sequence], seqs: list[Sequence], *tensors: torch.Tensor
+          ) -> tuple[torch.Tensor, ...]:
+    """The rows of `tensors` (one row per sequence of `own`) for `seqs`, each one of `own`, in
+    order: the tensors themselves where the batch is unchanged."""
+    if len(seqs) == len(own) and all(a is b for a, b in zip(seqs, own)):
+        return tensors
+    row = {id(s): i for i, s in enumerate(own)}
+    index = torch.tensor([row[id(s)] for s in seqs], device=tensors[0].device)
+    return tuple(t.index_select(0, index) for t in tensors)
+
+
 def _wait(event: torch.cuda.Event | None) -> float:
     """Blocks until `event`; the seconds it waited."""
     t0 = time.perf_counter()
@@ -88,11 +99,7 @@ class PendingDecode:
 
     def input_tokens(self, seqs: list[Sequence]) -> torch.Tensor:
         """The picks of `seqs` (each one of this step's sequences), on the device, in order."""
-        if len(seqs) == len(self.seqs) and all(a is b for a, b in zip(seqs, self.seqs)):
-            return self.tokens
-        row = {id(s): i for i, s in enumerate(self.seqs)}
-        index = torch.tensor([row[id(s)] for s in seqs], device=self.tokens.device)
-        return self.tokens.index_select(0, index)
+        return _rows(self.seqs, seqs, self.tokens)[0]
 
     def settle(self) -> tuple[SchedulerOutput, StepResult, float]:
         """Waits for the picks; (what to commit, as a step's schedule and result, of the
@@ -139,11 +146,8 @@ class PendingSpec:
 
     def next_inputs(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
         """(newest tokens, context lengths) of `seqs` (each one of this step's), on the device."""
-        if len(seqs) == len(self.seqs) and all(a is b for a, b in zip(seqs, self.seqs)):
-            return self.next_last, self.next_ctx
-        row = {id(s): i for i, s in enumerate(self.seqs)}
-        index = torch.tensor([row[id(s)] for s in seqs], device=self.next_last.device)
-        return self.next_last.index_select(0, index), self.next_ctx.index_select(0, index)
+        last, ctx = _rows(self.seqs, seqs, self.next_last, self.next_ctx)
+        return last, ctx
 
     def settle(self) -> tuple[SchedulerOutput, StepResult, float]:
         """Waits for the step; (what to commit, as a step's schedule and result, of the
