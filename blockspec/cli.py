@@ -45,10 +45,11 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="cap on the prefill tokens of a step that also decodes, which delay "
                         "every running stream: lower ITL tails for fewer tokens/s (default 0: "
                         "no cap; auto: 12 per decoding sequence, at least 256)")
-    g.add_argument("--async-scheduling", action="store_true",
+    g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule and launch each decode step while the previous one runs: "
                         "plain and whole-block speculative steps of greedy batches without "
-                        "logprobs (vLLM's --async-scheduling; off by default)")
+                        "logprobs (vLLM's --async-scheduling; default: on for one CUDA GPU, "
+                        "off on CPU and with -tp > 1)")
     g.add_argument("--no-prefix-caching", action="store_true", help="disable prefix caching")
     g.add_argument("--seed", type=int, default=0, help="engine seed for unseeded sampling")
     g.add_argument("--gpu-memory-utilization", type=float, default=0.9,

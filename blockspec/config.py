@@ -49,8 +49,10 @@ class EngineConfig:
     enforce_eager: bool = False  # CUDA: no graphs
     # Decode steps scheduled and launched while the previous one runs (engine/pipeline.py;
     # vLLM's --async-scheduling): plain decode, and greedy speculative blocks whose schedule
-    # does not wait for the accepted counts. Off by default (docs/benchmarks.md, "Async").
-    async_scheduling: bool = False
+    # does not wait for the accepted counts. None: on for one CUDA GPU, where the host's step
+    # then hides behind the device's; off on CPU (the host is the device: nothing to overlap)
+    # and with tensor parallelism (not supported yet).
+    async_scheduling: bool | None = None
     # Speculation policy (with a drafter): "adaptive" picks plain decode or one of `block_sizes`
     # each step from measured step costs and live acceptance; "fixed" always runs the max block.
     # Without a drafter the policy and the profile are ignored, and `block_sizes` is refused.
@@ -191,6 +193,13 @@ class EngineConfig:
             raise ConfigError("synthetic acceptance must be a probability in [0, 1]")
         if self.draft is None:
             raise ConfigError("synthetic acceptance needs a draft model")
+
+    @property
+    def use_async_scheduling(self) -> bool:
+        """`async_scheduling`, resolved (None: on for one CUDA GPU)."""
+        if self.async_scheduling is not None:
+            return self.async_scheduling
+        return self.device.startswith("cuda") and self.tensor_parallel_size == 1
 
     @property
     def use_lazy_draft_context(self) -> bool:

@@ -89,7 +89,13 @@ def test_sampled_or_logprob_batches_run_synchronously(qwen3_path, launches):
 
 
 def test_config(qwen3_path, drafter16):
-    assert cpu_llm(qwen3_path).engine.async_scheduling is False  # off unless asked
+    llm = cpu_llm(qwen3_path)
+    assert llm.engine.async_scheduling is False  # the default is off on CPU
+    config = llm.engine.config
+    config.device = "cuda"  # NOTE: the resolution alone; nothing runs on it
+    assert config.use_async_scheduling  # ... and on for one CUDA GPU
+    config.tensor_parallel_size = 2
+    assert not config.use_async_scheduling
     # With a drafter it runs speculative steps ahead (tests/test_async_speculation.py).
     assert cpu_llm(qwen3_path, drafter16, async_scheduling=True).engine.async_scheduling
     with pytest.raises(ConfigError, match="tensor parallelism"):
@@ -100,5 +106,6 @@ def test_cli_flag():
     from blockspec.cli import build_parser, engine_kwargs
 
     parse = build_parser().parse_args
-    assert engine_kwargs(parse(["serve"]))["async_scheduling"] is False
+    assert engine_kwargs(parse(["serve"]))["async_scheduling"] is None  # the device decides
+    assert engine_kwargs(parse(["serve", "--no-async-scheduling"]))["async_scheduling"] is False
     assert engine_kwargs(parse(["serve", "--async-scheduling"]))["async_scheduling"] is True

@@ -573,3 +573,13 @@ def test_check_runner_keeps_going_and_names_failures():
     assert run_checks({"first": bad, "second": lambda: ran.append(2)}, report) is False
     assert ran == [2] and report == {"first_error": "ValueError('boom')"}
     assert run_checks({"only": lambda: None}, {}) is True
+
+
+def test_warmup_prompts_come_from_the_dataset_unless_it_is_random():
+    from blockspec.bench.offline import warmup_prompts
+
+    prompts = [list(range(10, 60)), list(range(100, 120))]
+    got = warmup_prompts(prompts, 3, False, 0, 1000, set())
+    assert got == [prompts[0][:32], prompts[1], prompts[0][:32]]
+    rand = warmup_prompts(prompts, 3, True, 0, 1000, {0})
+    assert len(rand) == 3 and all(len(p) == 32 for p in rand) and rand[0] != prompts[0][:32]

@@ -389,6 +389,10 @@ def test_decode_prefill_budget_rule():
     assert decode_prefill_budget(None, 256, 2048) == 2048
     assert decode_prefill_budget(0, 32, 8192) == 8192
     assert decode_prefill_budget(100, 32, 8192) == 100
+    # auto lifts the cap while as many requests prefill as decode (a burst of arrivals); N holds
+    assert decode_prefill_budget(None, 32, 8192, num_prefilling=31) == 384
+    assert decode_prefill_budget(None, 16, 8192, num_prefilling=16) == 8192
+    assert decode_prefill_budget(100, 16, 8192, num_prefilling=16) == 100
 
 
 def test_prefill_beside_decodes_is_capped_and_decodes_still_run():
@@ -419,6 +423,32 @@ def test_prefill_beside_decodes_is_capped_and_decodes_still_run():
     out = sched.schedule()  # b takes the prefill budget, c waits, a decodes
     assert [s.request_id for s in out.seqs] == ["b", "a"] and out.num_new_tokens == [6, 1]
     assert [s.request_id for s in sched.waiting] == ["c"]
+
+
+def test_auto_prefill_cap_lifts_for_a_burst_of_arrivals(monkeypatch):
+    """The auto cap binds while fewer requests prefill than decode, and lifts while as many
+    do (then the held-back prompts would cost more first tokens than the streams it spares)."""
+    import blockspec.engine.scheduler as sched_mod
+
+    monkeypatch.setattr(sched_mod, "DECODE_PREFILL_FLOOR", 4)
+    monkeypatch.setattr(sched_mod, "DECODE_PREFILL_PER_DECODE", 1)
+    bm = BlockManager(256, BS, enable_prefix_caching=False)
+    sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=100,
+                      decode_step_prefill_tokens=None)
+    for rid in "ab":
+        sched.add(make_seq(range(1, 4), rid))
+    step(sched)  # a and b prefill whole: nothing decodes yet
+    for rid in "cd":
+        sched.add(make_seq(range(1, 21), rid))
+    out = sched.schedule()  # 2 decode, 2 wait: no cap
+    assert out.num_new_tokens == [1, 1, 20, 20]
+    for seq, n in zip(out.seqs, out.num_new_tokens):
+        seq.num_computed_tokens += n
+        seq.output_token_ids.append(7)
+    sched.add(make_seq(range(1, 21), "e"))
+    out = sched.schedule()  # 4 decode, 1 waits: capped at max(4, 1 x 4)
+    assert [s.request_id for s in out.seqs] == ["a", "b", "c", "d", "e"]
+    assert out.num_new_tokens == [1, 1, 1, 1, 4]
 
 
 def test_partial_prefill_without_budget_waits_and_later_decodes_run():

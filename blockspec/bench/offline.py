@@ -61,6 +61,18 @@ def warmup_params(args: argparse.Namespace, concurrency: int) -> list[SamplingPa
                            ignore_eos=True) for i in range(2 * concurrency)]
 
 
+def warmup_prompts(prompts: list[list[int]], n: int, random: bool, seed: int, vocab: int,
+                   special: set[int]) -> list[list[int]]:
+    """`n` warm-up prompts of at most 32 tokens: random ones for a random dataset, else the
+    dataset's own prompts cut short (cycled). NOTE: a drafter's acceptance tracker carries the
+    warm-up's evidence into the level, and random tokens are drafted far worse than the
+    dataset's text (the adaptive policy then starts the level decoding plainly)."""
+    warm_len = min(32, max(len(p) for p in prompts))
+    if random:
+        return [s.prompt for s in random_samples(n, warm_len, seed, vocab, special)]
+    return [prompts[i % len(prompts)][:warm_len] for i in range(n)]
+
+
 def run_requests(engine: LLMEngine, prompts: list[list[int]],
                  params: SamplingParams | list[SamplingParams], concurrency: int, tag: str,
                  show: bool = True) -> tuple[list[RequestRecord], float, SpecStats]:
@@ -139,6 +151,7 @@ def engine_facts(engine: LLMEngine) -> dict[str, Any]:
         "num_kv_blocks": engine.block_manager.num_blocks,
         "kv_block_size": engine.config.kv_block_size, "max_num_seqs": engine.config.max_num_seqs,
         "spec_block_size": engine.spec_block_size or None,
+        "async_scheduling": engine.async_scheduling,
         "load_format": engine.config.load_format,
         "parallel": {"tensor_parallel_size": engine.config.tensor_parallel_size,
                      "expert_parallel_size": engine.config.expert_parallel_size,
@@ -211,9 +224,8 @@ def run_offline(args: argparse.Namespace, engine_kwargs: Callable[[argparse.Name
     if max(levels) > engine.config.max_num_seqs:
         print(f"[blockspec] note: --max-num-seqs {engine.config.max_num_seqs} caps the running "
               f"batch below C={max(levels)}", file=sys.stderr)
-    warm_len = min(32, max(len(p) for p in prompts))
-    warm = [s.prompt for s in random_samples(2 * max(levels), warm_len,
-                                             10_000 + args.dataset_seed, vocab, special)]
+    warm = warmup_prompts(prompts, 2 * max(levels), args.dataset == "random",
+                          10_000 + args.dataset_seed, vocab, special)
     run_requests(engine, warm[:1], warmup_params(args, 1)[0], 1, "warmup", show=False)
     start = 0
     for c, n in zip(levels, counts):

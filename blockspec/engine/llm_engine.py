@@ -94,7 +94,7 @@ class LLMEngine:
                                       config.kv_block_size, self.dtype, self.device)
         self.runner = ModelRunner(config, kv_config, self.model, self.block_manager, self.dtype,
                                   self.max_model_len, proposer, self.spec_block_lens)
-        self.async_scheduling = config.async_scheduling
+        self.async_scheduling = config.use_async_scheduling
         self._pending: PendingDecode | PendingSpec | None = None  # the step in flight
         self.spec_stats = SpecStats()
         self.outputs = OutputProcessor(self.tokenizer, self.eos_token_ids, self.max_model_len,

@@ -39,12 +39,19 @@ class SchedulerOutput:
 DECODE_PREFILL_FLOOR, DECODE_PREFILL_PER_DECODE = 256, 12
 
 
-def decode_prefill_budget(setting: int | None, num_decoding: int, step_budget: int) -> int:
-    """Prefill tokens a step may take beside `num_decoding` decoding sequences. `setting`:
-    EngineConfig.decode_step_prefill_tokens (0: no cap, None: the "auto" rule)."""
+def decode_prefill_budget(setting: int | None, num_decoding: int, step_budget: int,
+                          num_prefilling: int = 0) -> int:
+    """Prefill tokens a step may take beside `num_decoding` decoding sequences while
+    `num_prefilling` requests wait for (the rest of) their prompts. `setting`:
+    EngineConfig.decode_step_prefill_tokens (0: no cap, N: at most N, None: the "auto" rule).
+    NOTE: "auto" lifts the cap while at least as many requests prefill as decode: holding their
+    prompts back then delays more requests' first tokens than it spares streams a slower step
+    (a burst of arrivals, e.g. the first wave of a closed loop)."""
     if not num_decoding or setting == 0:
         return step_budget
     if setting is None:
+        if num_prefilling >= num_decoding:
+            return step_budget
         setting = max(DECODE_PREFILL_FLOOR, DECODE_PREFILL_PER_DECODE * num_decoding)
     return min(setting, step_budget)
 
@@ -87,9 +94,10 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         prefill = budget  # NOTE: prefill chunks beside decodes delay every stream
         if self.decode_step_prefill_tokens != 0:
+            decoding = sum(1 for s in self.running if s.num_tokens - s.num_computed_tokens == 1)
             prefill = decode_prefill_budget(
-                self.decode_step_prefill_tokens,
-                sum(1 for s in self.running if s.num_tokens - s.num_computed_tokens == 1), budget)
+                self.decode_step_prefill_tokens, decoding, budget,
+                len(self.waiting) + len(self.running) - decoding)
         budget, prefill = self._schedule_running(out, budget, prefill, budget_lookahead)
         # NOTE: admit nothing new in a step that had to preempt: the cache is under pressure.
         if not out.num_preempted:
