@@ -109,3 +109,37 @@ def test_cli_flag():
     assert engine_kwargs(parse(["serve"]))["async_scheduling"] is None  # the device decides
     assert engine_kwargs(parse(["serve", "--no-async-scheduling"]))["async_scheduling"] is False
     assert engine_kwargs(parse(["serve", "--async-scheduling"]))["async_scheduling"] is True
+
+
+@pytest.mark.parametrize("with_drafter", [False, True])
+def test_a_step_in_flight_reaches_its_streams_before_an_arrival_prefills(
+        qwen3_path, drafter16, with_drafter):
+    """An arrival ends the pipeline: the step in flight is committed and its outputs returned
+    at once; the arrival's prefill runs at the next call (held for it, the running streams'
+    tokens would wait a whole prefill step)."""
+    llm = cpu_llm(qwen3_path, drafter16 if with_drafter else None, async_scheduling=True)
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    prompts = random_prompts([9, 30], seed=7)
+    first = engine.add_request(prompts[0], params)
+    for _ in range(20):
+        engine.step()
+        if engine._pending is not None:
+            break
+    assert engine._pending is not None, "no step ran ahead"
+    second = engine.add_request(prompts[1], params)
+    outs = engine.step()
+    assert [o.request_id for o in outs] == [first] and outs[0].token_ids
+    assert engine._pending is None
+    arrival = engine.scheduler.waiting[0]
+    assert arrival.request_id == second and arrival.num_computed_tokens == 0
+    outs = engine.step()
+    assert arrival.num_computed_tokens == len(prompts[1])  # now it prefills
+    final = {}
+    while True:
+        final.update({o.request_id: o.token_ids for o in outs if o.finished})
+        if not engine.has_unfinished():
+            break
+        outs = engine.step()
+    want = cpu_llm(qwen3_path).generate(prompts, params, use_tqdm=False)
+    assert [final[first], final[second]] == [w.token_ids for w in want]

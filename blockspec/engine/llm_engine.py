@@ -185,7 +185,10 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One engine step. With async scheduling a decode step that may run ahead is launched
         and the previous one's outputs returned (engine/pipeline.py); any other step first
-        commits the step in flight."""
+        commits the step in flight.
+        NOTE: where that commit has outputs and no decision was made for the synchronous step,
+        they are returned alone and the step runs at the next call: held until it ran (a prefill
+        of arriving prompts, tens of ms), they would reach their streams a whole step late."""
         if not self.async_scheduling:
             return self._step()
         if self.runner.proposer is not None:
@@ -195,7 +198,7 @@ class LLMEngine:
         if ahead is not None:
             return self._step_ahead(ahead, 1, lambda: self.runner.launch_ahead(ahead,
                                                                                 self._pending))
-        return self._settle() + self._step()
+        return self._settle() or self._step()
 
     def _step_speculative(self) -> list[RequestOutput]:
         """Async scheduling with a drafter: the step's one decision, then the step launched
@@ -215,6 +218,8 @@ class LLMEngine:
                     and self.scheduler.schedule_ahead(self.max_model_len) is not None:
                 return self._step_ahead(seqs, 1,
                                         lambda: self.runner.launch_ahead(seqs, prev, plan))
+        if chosen is None and prev is not None:
+            return self._settle()
         return self._settle() + self._step(chosen)
 
     def _step_ahead(self, seqs: list[Sequence], block_len: int,
