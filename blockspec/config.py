@@ -31,11 +31,11 @@ class EngineConfig:
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
-    # Prefill tokens of a step that also decodes (they delay every running stream): None
-    # ("auto", the default) 12 per decoding sequence, at least 256, lifted while as many
-    # requests prefill as decode (engine/scheduler.py); N at most N; 0 only
-    # max_num_batched_tokens bounds them. Lower ITL tails for fewer tokens/s (docs/benchmarks.md).
-    decode_step_prefill_tokens: int | None = None
+    # Prefill tokens of a step that also decodes (they delay every running stream): 0, the
+    # default, only max_num_batched_tokens bounds them; N at most N; None ("auto") 12 per
+    # decoding sequence, at least 256, lifted while as many requests prefill as decode
+    # (engine/scheduler.py): lower ITL tails, fewer tokens/s (docs/benchmarks.md).
+    decode_step_prefill_tokens: int | None = 0
     kv_block_size: int = 16
     kv_cache_memory_gb: float | None = None  # None: 1 GiB on CPU; on CUDA what is left of
     # gpu_memory_utilization x total after weights and a profiled warm-up forward

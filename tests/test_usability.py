@@ -75,9 +75,7 @@ def test_decode_step_prefill_tokens_flag():
     from blockspec.cli import build_parser, engine_kwargs
 
     parse = build_parser().parse_args
-    assert engine_kwargs(parse(["serve"]))["decode_step_prefill_tokens"] is None  # auto
-    assert engine_kwargs(parse(["serve", "--decode-step-prefill-tokens", "0"]))[
-        "decode_step_prefill_tokens"] == 0
+    assert engine_kwargs(parse(["serve"]))["decode_step_prefill_tokens"] == 0
     assert engine_kwargs(parse(["serve", "--decode-step-prefill-tokens", "auto"]))[
         "decode_step_prefill_tokens"] is None
     assert engine_kwargs(parse(["serve", "--decode-step-prefill-tokens", "384"]))[
