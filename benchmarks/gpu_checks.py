@@ -196,11 +196,12 @@ def check_engine(tmp: Path, report: dict) -> None:
     # NOTE: max_num_seqs 4: requests arrive as others finish, so steps mix prefills with
     # decodes (one flat-step graph replay, or one eager forward).
     runs = run_variants(target, prompts, params, kw, report, "engine", (
-        ("graphs", {}), ("graphs_async", {"async_scheduling": True}),
+        # NOTE: the default on CUDA is async scheduling; "_sync" runs without it.
+        ("graphs", {}), ("graphs_sync", {"async_scheduling": False}),
         ("eager", {"enforce_eager": True}),
         ("torch_backend_eager", {"enforce_eager": True, "attention_backend": "torch"}),
         ("dflash_graphs", {"draft": str(drafter)}),
-        ("dflash_graphs_async", {"draft": str(drafter), "async_scheduling": True}),
+        ("dflash_graphs_sync", {"draft": str(drafter), "async_scheduling": False}),
         ("dflash_eager", {"draft": str(drafter), "enforce_eager": True}),
         ("graphs_c4", {"max_num_seqs": 4}),
         ("graphs_c4_eager_mixed", {"max_num_seqs": 4, "graph_mixed_steps": False}),

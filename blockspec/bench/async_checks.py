@@ -38,7 +38,7 @@ def _tokens(model: Path, prompts: list, params: SamplingParams, kw: dict[str, An
 
 def _pair(name: str, model: Path, prompts: list, params: SamplingParams,
           kw: dict[str, Any], report: dict[str, Any]) -> bool:
-    sync, sync_info = _tokens(model, prompts, params, kw)
+    sync, sync_info = _tokens(model, prompts, params, {**kw, "async_scheduling": False})
     got, info = _tokens(model, prompts, params, {**kw, "async_scheduling": True})
     ahead = info["steps_by_path"].get("ahead", 0)
     ok = got == sync and ahead > 0
