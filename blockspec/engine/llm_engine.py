@@ -106,8 +106,8 @@ class LLMEngine:
         # benchmark's last wave): the batch then drains, and the speculation policy prices its
         # stragglers (SpeculationPolicy.rates). A server never sets it.
         self.closed_batch = False
-        self.finish_seconds = 0.0  # the last step's time spent finishing requests (_commit)
-        self.committed_tokens = 0  # ... and the tokens it appended
+        # The last step's time spent finishing requests (_commit), and the tokens it appended.
+        self.finish_seconds, self.committed_tokens = 0.0, 0
         self.step_mix = StepMix()  # steps, seconds and tokens by kind (benchmarks report it)
         if hasattr(self.model, "reset_expert_counts"):
             self.model.reset_expert_counts()  # NOTE: the memory profile's forwards counted too
@@ -125,9 +125,8 @@ class LLMEngine:
         `output_kind` (vLLM's RequestOutputKind): which steps return an output for it and what
         it holds. "cumulative": every step, everything so far (plus the step's delta);
         "delta": every step, only what the step added in `token_ids`/`text`/`logprobs`;
-        "final_only": the finished output alone. Finished outputs are always complete.
-        NOTE: at large batches the per-step copies of "cumulative" cost host time that the
-        engine's per-step sync turns into step time; offline generate asks for "final_only"."""
+        "final_only": the finished output alone (offline generate's: at large batches the
+        per-step copies of "cumulative" cost host time). Finished outputs are always complete."""
         if output_kind not in OUTPUT_KINDS:
             raise ConfigError(f"output_kind must be one of {OUTPUT_KINDS}, got {output_kind!r}")
         params = params or SamplingParams()
@@ -185,10 +184,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One engine step. With async scheduling a decode step that may run ahead is launched
         and the previous one's outputs returned (engine/pipeline.py); any other step first
-        commits the step in flight.
-        NOTE: where that commit has outputs and no decision was made for the synchronous step,
-        they are returned alone and the step runs at the next call: held until it ran (a prefill
-        of arriving prompts, tens of ms), they would reach their streams a whole step late."""
+        commits the step in flight. NOTE: a commit before an undecided synchronous step (a
+        prefill) returns alone, so the streams' tokens do not wait for that step."""
         if not self.async_scheduling:
             return self._step()
         if self.runner.proposer is not None:
