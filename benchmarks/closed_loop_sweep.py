@@ -13,8 +13,10 @@ finishes.
         [--engine-args "--decode-step-prefill-tokens auto"] [--skip-demo] [--acceptance 0.86]
 
 `--engine-args` go to every run (AR and DFlash alike): a what-if beside the defaults.
-`--async-ab`: instead of DFlash, AR with `--async-scheduling` against AR (both engines plain).
-`--async-spec`: beside the default runs, AR and DFlash again with `--async-scheduling`: DFlash-async
+Async scheduling is the default on one CUDA GPU; `--async-ab` and `--async-spec` run their
+baseline rows with `--no-async-scheduling`, so "sync" means without it on any device.
+`--async-ab`: instead of DFlash, AR with `--async-scheduling` against AR sync (both plain).
+`--async-spec`: the runs sync, then AR and DFlash again with `--async-scheduling`: DFlash-async
 against AR and AR-async, AR-async against AR. `--async-only`: every run (AR and
 DFlash) with `--async-scheduling` and nothing else (files named `*_async_only`).
 """
@@ -98,6 +100,8 @@ def main() -> int:
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     extra = shlex.split(args.engine_args) + (["--async-scheduling"] if args.async_only else [])
+    if args.async_ab or args.async_spec:
+        extra.append("--no-async-scheduling")  # NOTE: the baseline rows; async_rows adds the flag
     sfx = "_async_only" if args.async_only else ""
     demo = ["--dataset", "benchmarks/prompts/code.jsonl", "--concurrency", args.demo_concurrency,
             *extra]
