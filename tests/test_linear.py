@@ -18,7 +18,7 @@ TOL = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 1e-2), torch.float16:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("n", [40, 96, 16384])
+@pytest.mark.parametrize("n", [40, 96, 1001])  # 1001: the last program's row masked
 def test_gemv_matches_f_linear(dtype, n):
     g = torch.Generator().manual_seed(n)
     k = 96  # not a multiple of the default BLOCK_K: the config halves it to 32
