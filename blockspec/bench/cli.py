@@ -75,8 +75,9 @@ def _add_subcommands(parser: argparse.ArgumentParser,
     b.add_argument("--chat", action="store_true",
                    help="wrap plain prompts as a user message with the chat template")
     b.add_argument("--warmup-tokens", type=int, default=16,
-                   help="tokens per warm-up request, C requests before each level (0: only the "
-                        "initial warm-up)")
+                   help="tokens per warm-up request: 2 x C requests before each level, of the "
+                        "dataset's prompts cut to 32 tokens (random ones with --dataset random); "
+                        "0: only the initial warm-up")
     _add_workload_args(o)
 
     r = sub.add_parser("report", help="comparison tables and a plot from result files")
