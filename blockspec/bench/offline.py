@@ -61,14 +61,14 @@ def warmup_params(args: argparse.Namespace, concurrency: int) -> list[SamplingPa
                            ignore_eos=True) for i in range(2 * concurrency)]
 
 
-def warmup_prompts(prompts: list[list[int]], n: int, random: bool, seed: int, vocab: int,
-                   special: set[int]) -> list[list[int]]:
+def warmup_prompts(prompts: list[list[int]], n: int, random_dataset: bool, seed: int,
+                   vocab: int, special: set[int]) -> list[list[int]]:
     """`n` warm-up prompts of at most 32 tokens: random ones for a random dataset, else the
     dataset's own prompts cut short (cycled). NOTE: a drafter's acceptance tracker carries the
     warm-up's evidence into the level, and random tokens are drafted far worse than the
     dataset's text (the adaptive policy then starts the level decoding plainly)."""
     warm_len = min(32, max(len(p) for p in prompts))
-    if random:
+    if random_dataset:
         return [s.prompt for s in random_samples(n, warm_len, seed, vocab, special)]
     return [prompts[i % len(prompts)][:warm_len] for i in range(n)]
 

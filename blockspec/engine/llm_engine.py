@@ -215,8 +215,8 @@ class LLMEngine:
                     and self.scheduler.schedule_ahead(self.max_model_len) is not None:
                 return self._step_ahead(seqs, 1,
                                         lambda: self.runner.launch_ahead(seqs, prev, plan))
-        if chosen is None and prev is not None:
-            return self._settle()
+        if chosen is None:
+            return self._settle() or self._step()
         return self._settle() + self._step(chosen)
 
     def _step_ahead(self, seqs: list[Sequence], block_len: int,
