@@ -13,6 +13,8 @@ finishes.
         [--engine-args "--decode-step-prefill-tokens auto"] [--skip-demo] [--acceptance 0.86]
 
 `--engine-args` go to every run (AR and DFlash alike): a what-if beside the defaults.
+`--spec-variants "NAME=FLAGS;NAME=FLAGS"`: more DFlash runs of the 8B shape per acceptance, each
+with its own extra flags, against the same AR run (files `qwen3_8b_adaptive_a{a}_{NAME}`).
 Async scheduling is the default on one CUDA GPU; `--async-ab` and `--async-spec` run their
 baseline rows with `--no-async-scheduling`, so "sync" means without it on any device.
 `--async-ab`: instead of DFlash, AR with `--async-scheduling` against AR sync (both plain).
@@ -81,6 +83,17 @@ def async_rows(out: Path, key: str, ar: dict, ar_args: list[str], spec_args: lis
             f"{name}_ar_async_vs_ar": compare(ar, ar_async, "ar_async")}
 
 
+def variants(text: str) -> list[tuple[str, list[str]]]:
+    """`--spec-variants`: (name, flags) per ';'-separated NAME=FLAGS."""
+    out = []
+    for item in filter(None, (x.strip() for x in text.split(";"))):
+        name, sep, flags = item.partition("=")
+        if not sep or not name.strip().isidentifier():
+            raise SystemExit(f"--spec-variants: {item!r} is not NAME=FLAGS")
+        out.append((name.strip(), shlex.split(flags)))
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out-dir", required=True)
@@ -90,6 +103,8 @@ def main() -> int:
     ap.add_argument("--skip-demo", action="store_true", help="the Qwen3-8B shape only")
     ap.add_argument("--acceptance", default="0.86,0.6", help="synthetic acceptances (8B shape)")
     ap.add_argument("--engine-args", default="", help="extra engine flags for every run")
+    ap.add_argument("--spec-variants", default="",
+                    help="'NAME=FLAGS;...': more DFlash runs (8B shape) with extra flags")
     ap.add_argument("--async-ab", action="store_true",
                     help="AR with --async-scheduling against AR, in place of DFlash")
     ap.add_argument("--async-spec", action="store_true",
@@ -129,6 +144,10 @@ def main() -> int:
                 spec = bench(out, f"qwen3_8b_adaptive_a{a}{sfx}",
                              [*big, "--draft", str(drafter), "--synthetic-acceptance", str(a)])
                 res[f"qwen3_8b_a{a}"] = compare(ar, spec)
+                for name, flags in variants(args.spec_variants):
+                    res[f"qwen3_8b_a{a}_{name}"] = compare(ar, bench(
+                        out, f"qwen3_8b_adaptive_a{a}_{name}",
+                        [*big, "--draft", str(drafter), "--synthetic-acceptance", str(a), *flags]))
                 if args.async_spec:
                     res.update(async_rows(out, f"qwen3_8b_a{a}", ar, big, [
                         *big, "--draft", str(drafter), "--synthetic-acceptance", str(a)]))

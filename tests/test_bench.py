@@ -207,7 +207,8 @@ OFFLINE_ARGS = ["--device", "cpu", "--num-kv-blocks", "256", "--input-len", "12"
 def test_bench_offline_end_to_end(qwen3_path, tmp_path, capsys):
     out = tmp_path / "ar.json"
     rc, stdout, err = run_cli(["offline", "--model", str(qwen3_path), "--concurrency", "2,1",
-                               "--num-prompts", "3", *OFFLINE_ARGS, "--out", str(out)], capsys)
+                               "--num-prompts", "3", *OFFLINE_ARGS, "--step-trace",
+                               "--out", str(out)], capsys)
     assert rc == 0, err
     res = json.loads(out.read_text())
     assert res["kind"] == "offline" and res["synthetic"] is False
@@ -221,6 +222,7 @@ def test_bench_offline_end_to_end(qwen3_path, tmp_path, capsys):
         assert lv["output_tok_s"] == pytest.approx(18 / lv["duration_s"])
         assert lv["ttft_ms"]["count"] == 3 and lv["tpot_ms"]["median"] > 0
         assert lv["itl_ms"]["count"] == 15  # 5 gaps per 6-token request
+        assert lv["step_trace"]["gaps"] == 15
         assert lv["acceptance"] is None and lv["drafter_context"] == {}
         # Every output token comes from a step of the level: plain decodes (block 1) and the
         # prefill steps that sample the first token (block 0, nothing decoding) or run beside
@@ -247,6 +249,34 @@ def test_offline_keeps_exactly_c_in_flight(qwen3_path):
                               "t", show=False)
     assert len(recs) == 7 and all(r.ok and r.output_tokens == 4 for r in recs)
     assert max(seen) == 3 and seen[0] == 3 and seen.count(3) >= 4
+
+
+def test_step_trace_accounts_for_every_step_prefill_token_and_gap(qwen3_path):
+    from blockspec.bench.offline import run_requests
+    from blockspec.bench.step_trace import StepTrace
+    from blockspec.config import EngineConfig
+    from blockspec.engine.llm_engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(str(qwen3_path), device="cpu", num_kv_blocks=128,
+                                    max_num_batched_tokens=16))
+    calls = []
+    step = engine.step
+    engine.step = lambda: (calls.append(1), step())[1]
+    prompts = [[3 + i] + [4] * 11 for i in range(5)]  # 12 tokens: chunked at 16 per step
+    trace = StepTrace(threshold_ms=0.0)
+    recs, _, _ = run_requests(engine, prompts, SamplingParams(max_tokens=4, ignore_eos=True), 2,
+                              "t", show=False, trace=trace)
+    assert len(trace.steps) == len(calls)
+    assert sum(s.prefill_tokens for s in trace.steps) == 5 * 12
+    assert max(s.prefill_tokens for s in trace.steps) <= 16
+    assert any(s.prefill_tokens and s.num_decoding for s in trace.steps)  # arrivals mid-decode
+    summary = trace.summary()
+    assert summary["gaps"] == sum(len(r.itl) for r in recs) == 5 * 3
+    assert summary["slow_gaps"] == summary["gaps"]  # threshold 0: every gap
+    assert "(no step)" not in summary["slow_by_steps_inside"]
+    assert sum(summary["slow_by_steps_inside"].values()) == summary["gaps"]
+    assert len(summary["steps"]) == len(calls)
+    assert any("[prefill<=256]" in k for k in summary["slow_by_steps_inside"])
 
 
 def test_bench_offline_synthetic_is_labelled(qwen3_path, models_root, tmp_path, capsys):

@@ -383,16 +383,18 @@ def test_decode_prefill_budget_rule():
     from blockspec.engine.scheduler import decode_prefill_budget
 
     assert decode_prefill_budget(None, 0, 8192) == 8192  # nothing decodes: the whole step
-    assert decode_prefill_budget(None, 1, 8192) == 256
-    assert decode_prefill_budget(None, 32, 8192) == 384
+    assert decode_prefill_budget(None, 1, 8192) == 512
+    assert decode_prefill_budget(None, 32, 8192) == 512
+    assert decode_prefill_budget(None, 64, 8192) == 768
     assert decode_prefill_budget(None, 256, 8192) == 3072
     assert decode_prefill_budget(None, 256, 2048) == 2048
     assert decode_prefill_budget(0, 32, 8192) == 8192
     assert decode_prefill_budget(100, 32, 8192) == 100
-    # auto lifts the cap while as many requests prefill as decode (a burst of arrivals); N holds
-    assert decode_prefill_budget(None, 32, 8192, num_prefilling=31) == 384
-    assert decode_prefill_budget(None, 16, 8192, num_prefilling=16) == 8192
-    assert decode_prefill_budget(100, 16, 8192, num_prefilling=16) == 100
+    # auto lifts the cap for a backlog of more than 16 capped steps of prompts; N holds
+    assert decode_prefill_budget(None, 32, 8192, pending_prefill_tokens=16 * 512) == 512
+    assert decode_prefill_budget(None, 32, 8192, pending_prefill_tokens=16 * 512 + 1) == 8192
+    assert decode_prefill_budget(None, 64, 8192, pending_prefill_tokens=16 * 512 + 1) == 768
+    assert decode_prefill_budget(100, 16, 8192, pending_prefill_tokens=10 ** 6) == 100
 
 
 def test_prefill_beside_decodes_is_capped_and_decodes_still_run():
@@ -426,12 +428,14 @@ def test_prefill_beside_decodes_is_capped_and_decodes_still_run():
 
 
 def test_auto_prefill_cap_lifts_for_a_burst_of_arrivals(monkeypatch):
-    """The auto cap binds while fewer requests prefill than decode, and lifts while as many
-    do (then the held-back prompts would cost more first tokens than the streams it spares)."""
+    """The auto cap binds while the prompts waiting fit in LIFT_STEPS capped steps, and lifts
+    for a larger backlog (then the held-back prompts would cost more first tokens than the
+    streams it spares)."""
     import blockspec.engine.scheduler as sched_mod
 
     monkeypatch.setattr(sched_mod, "DECODE_PREFILL_FLOOR", 4)
     monkeypatch.setattr(sched_mod, "DECODE_PREFILL_PER_DECODE", 1)
+    monkeypatch.setattr(sched_mod, "DECODE_PREFILL_LIFT_STEPS", 2)
     bm = BlockManager(256, BS, enable_prefix_caching=False)
     sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=100,
                       decode_step_prefill_tokens=None)
@@ -439,14 +443,14 @@ def test_auto_prefill_cap_lifts_for_a_burst_of_arrivals(monkeypatch):
         sched.add(make_seq(range(1, 4), rid))
     step(sched)  # a and b prefill whole: nothing decodes yet
     for rid in "cd":
-        sched.add(make_seq(range(1, 21), rid))
-    out = sched.schedule()  # 2 decode, 2 wait: no cap
-    assert out.num_new_tokens == [1, 1, 20, 20]
+        sched.add(make_seq(range(1, 6), rid))
+    out = sched.schedule()  # 2 decode, 10 prompt tokens wait: over 2 steps of 4, no cap
+    assert out.num_new_tokens == [1, 1, 5, 5]
     for seq, n in zip(out.seqs, out.num_new_tokens):
         seq.num_computed_tokens += n
         seq.output_token_ids.append(7)
-    sched.add(make_seq(range(1, 21), "e"))
-    out = sched.schedule()  # 4 decode, 1 waits: capped at max(4, 1 x 4)
+    sched.add(make_seq(range(1, 9), "e"))
+    out = sched.schedule()  # 4 decode, 8 tokens wait: 2 capped steps of max(4, 1 x 4)
     assert [s.request_id for s in out.seqs] == ["a", "b", "c", "d", "e"]
     assert out.num_new_tokens == [1, 1, 1, 1, 4]
 

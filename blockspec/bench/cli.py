@@ -78,6 +78,10 @@ def _add_subcommands(parser: argparse.ArgumentParser,
                    help="tokens per warm-up request: 2 x C requests before each level, of the "
                         "dataset's prompts cut to 32 tokens (random ones with --dataset random); "
                         "0: only the initial warm-up")
+    b.add_argument("--step-trace", action="store_true",
+                   help="diagnostics: record every step of each level and group the gaps "
+                        "between a stream's outputs over 25 ms by the steps inside them "
+                        "(each level's 'step_trace' in --out)")
     _add_workload_args(o)
 
     r = sub.add_parser("report", help="comparison tables and a plot from result files")

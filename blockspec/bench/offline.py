@@ -28,6 +28,7 @@ from blockspec.bench.common import (
 )
 from blockspec.bench.datasets import load_samples, random_samples, token_ids
 from blockspec.bench.stats import RequestRecord, acceptance_from_spec, summarize_level
+from blockspec.bench.step_trace import StepTrace
 from blockspec.config import ConfigError, EngineConfig
 from blockspec.dflash.metrics import SpecStats
 from blockspec.engine.llm_engine import LLMEngine
@@ -75,9 +76,10 @@ def warmup_prompts(prompts: list[list[int]], n: int, random_dataset: bool, seed:
 
 def run_requests(engine: LLMEngine, prompts: list[list[int]],
                  params: SamplingParams | list[SamplingParams], concurrency: int, tag: str,
-                 show: bool = True) -> tuple[list[RequestRecord], float, SpecStats]:
+                 show: bool = True, trace: StepTrace | None = None
+                 ) -> tuple[list[RequestRecord], float, SpecStats]:
     """Closed loop: keep `concurrency` requests in the engine until all prompts are done.
-    `params`: one for every request, or one per prompt."""
+    `params`: one for every request, or one per prompt. `trace`: records every step."""
     pending = deque(enumerate(prompts))
     in_flight: dict[str, tuple[float, float | None, list[float]]] = {}  # rid -> start, last, itl
     records: list[RequestRecord] = []
@@ -104,13 +106,19 @@ def run_requests(engine: LLMEngine, prompts: list[list[int]],
             if not engine.has_unfinished():
                 # NOTE: an engine bug, not bad input
                 raise RuntimeError("engine idle with requests in flight")
+            if trace is not None:
+                trace.before(engine, time.monotonic())
             outs = engine.step()
             now = time.monotonic()
+            if trace is not None:
+                trace.after(engine, now)
             for out in outs:
                 t0, last, itl = in_flight[out.request_id]
                 if out.delta_token_ids:
                     if last is not None:
                         itl.append(now - last)
+                        if trace is not None:
+                            trace.gap(last, now)
                     in_flight[out.request_id] = (t0, now, itl)
                 if not out.finished:
                     continue
@@ -233,8 +241,9 @@ def run_offline(args: argparse.Namespace, engine_kwargs: Callable[[argparse.Name
             run_requests(engine, warm[:2 * c], warmup_params(args, c), c, f"warmup{c}",
                          show=False)
         mix, context = engine.step_mix.copy(), context_counters(engine)
+        trace = StepTrace() if args.step_trace else None
         records, duration, spec = run_requests(engine, prompts[start:start + n], params, c,
-                                               f"c{c}")
+                                               f"c{c}", trace=trace)
         start += n
         level = summarize_level(c, records, duration)
         level["acceptance"] = acceptance_from_spec(spec)
@@ -242,6 +251,8 @@ def run_offline(args: argparse.Namespace, engine_kwargs: Callable[[argparse.Name
         level["policy_view"] = policy_view(engine, c)
         level["drafter_context"] = {k: round(v - context[k], 6)
                                     for k, v in context_counters(engine).items()}
+        if trace is not None:
+            level["step_trace"] = trace.summary()
         result["levels"].append(level)
         save_result(args.out, result)
         print(level_line(level), flush=True)

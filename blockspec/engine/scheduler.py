@@ -33,26 +33,26 @@ class SchedulerOutput:
 
 
 # The "auto" prefill budget of a step with decoding sequences: PER_DECODE tokens per decoding
-# sequence, at least FLOOR. NOTE: enough to keep a closed loop of 512-token prompts for
-# 256-token outputs fed at tau up to ~6 from C = 16 up, while one step's prefill adds about one
-# decode step to the streams it delays (ITL; docs/benchmarks.md, "Closed loop").
-DECODE_PREFILL_FLOOR, DECODE_PREFILL_PER_DECODE = 256, 12
+# sequence, at least FLOOR. NOTE: PER_DECODE keeps a closed loop of 512-token prompts for
+# 256-token outputs fed at tau up to ~6; FLOOR fills the flat graph bucket of 768 tokens beside
+# 32 verify blocks of 8, where a mixed step costs about two decode steps (docs/benchmarks.md,
+# "Closed loop"). The cap lifts while the prompts waiting need more than LIFT_STEPS capped
+# steps: a burst of arrivals then waits less for its first tokens than the streams gain.
+DECODE_PREFILL_FLOOR, DECODE_PREFILL_PER_DECODE, DECODE_PREFILL_LIFT_STEPS = 512, 12, 16
 
 
 def decode_prefill_budget(setting: int | None, num_decoding: int, step_budget: int,
-                          num_prefilling: int = 0) -> int:
+                          pending_prefill_tokens: int = 0) -> int:
     """Prefill tokens a step may take beside `num_decoding` decoding sequences while
-    `num_prefilling` requests wait for (the rest of) their prompts. `setting`:
-    EngineConfig.decode_step_prefill_tokens (0: no cap, N: at most N, None: the "auto" rule).
-    NOTE: "auto" lifts the cap while at least as many requests prefill as decode: holding their
-    prompts back then delays more requests' first tokens than it spares streams a slower step
-    (a burst of arrivals, e.g. the first wave of a closed loop)."""
+    `pending_prefill_tokens` prompt tokens wait to be computed. `setting`:
+    EngineConfig.decode_step_prefill_tokens (0: no cap, N: at most N, None: the "auto" rule,
+    which lifts the cap for a backlog of over DECODE_PREFILL_LIFT_STEPS capped steps)."""
     if not num_decoding or setting == 0:
         return step_budget
     if setting is None:
-        if num_prefilling >= num_decoding:
-            return step_budget
         setting = max(DECODE_PREFILL_FLOOR, DECODE_PREFILL_PER_DECODE * num_decoding)
+        if pending_prefill_tokens > DECODE_PREFILL_LIFT_STEPS * setting:
+            return step_budget
     return min(setting, step_budget)
 
 
@@ -94,10 +94,12 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         prefill = budget  # NOTE: prefill chunks beside decodes delay every stream
         if self.decode_step_prefill_tokens != 0:
-            decoding = sum(1 for s in self.running if s.num_tokens - s.num_computed_tokens == 1)
-            prefill = decode_prefill_budget(
-                self.decode_step_prefill_tokens, decoding, budget,
-                len(self.waiting) + len(self.running) - decoding)
+            left = [s.num_tokens - s.num_computed_tokens for s in self.running]
+            decoding = left.count(1)
+            pending = sum(n for n in left if n > 1) \
+                + sum(s.num_tokens - s.num_computed_tokens for s in self.waiting)
+            prefill = decode_prefill_budget(self.decode_step_prefill_tokens, decoding, budget,
+                                            pending)
         budget, prefill = self._schedule_running(out, budget, prefill, budget_lookahead)
         # NOTE: admit nothing new in a step that had to preempt: the cache is under pressure.
         if not out.num_preempted:
