@@ -270,6 +270,7 @@ def test_step_trace_accounts_for_every_step_prefill_token_and_gap(qwen3_path):
     assert sum(s.prefill_tokens for s in trace.steps) == 5 * 12
     assert max(s.prefill_tokens for s in trace.steps) <= 16
     assert any(s.prefill_tokens and s.num_decoding for s in trace.steps)  # arrivals mid-decode
+    assert all(s.host_ms >= 0 and s.wait_ms >= 0 and s.kinds for s in trace.steps)
     summary = trace.summary()
     assert summary["gaps"] == sum(len(r.itl) for r in recs) == 5 * 3
     assert summary["slow_gaps"] == summary["gaps"]  # threshold 0: every gap

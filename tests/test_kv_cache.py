@@ -390,11 +390,17 @@ def test_decode_prefill_budget_rule():
     assert decode_prefill_budget(None, 256, 2048) == 2048
     assert decode_prefill_budget(0, 32, 8192) == 8192
     assert decode_prefill_budget(100, 32, 8192) == 100
-    # auto lifts the cap for a backlog of more than 16 capped steps of prompts; N holds
+    # a backlog drains within 16 steps: the budget grows with it; N holds
     assert decode_prefill_budget(None, 32, 8192, pending_prefill_tokens=16 * 512) == 512
-    assert decode_prefill_budget(None, 32, 8192, pending_prefill_tokens=16 * 512 + 1) == 8192
-    assert decode_prefill_budget(None, 64, 8192, pending_prefill_tokens=16 * 512 + 1) == 768
+    assert decode_prefill_budget(None, 32, 8192, pending_prefill_tokens=16 * 1000) == 1000
+    assert decode_prefill_budget(None, 32, 8192, pending_prefill_tokens=10 ** 6) == 8192
     assert decode_prefill_budget(100, 16, 8192, pending_prefill_tokens=10 ** 6) == 100
+    # the step fills its graph bucket: 27 verify blocks of 8 (216 tokens) + 512 -> 768
+    buckets = [256, 512, 768, 1024, 2048]
+    assert decode_prefill_budget(None, 27, 8192, 0, 216, buckets) == 768 - 216
+    assert decode_prefill_budget(None, 32, 8192, 0, 256, buckets) == 512
+    assert decode_prefill_budget(None, 200, 8192, 0, 1600, buckets) == 2400  # past the buckets
+    assert decode_prefill_budget(300, 27, 8192, 0, 216, buckets) == 300  # N is not rounded
 
 
 def test_prefill_beside_decodes_is_capped_and_decodes_still_run():
@@ -427,10 +433,9 @@ def test_prefill_beside_decodes_is_capped_and_decodes_still_run():
     assert [s.request_id for s in sched.waiting] == ["c"]
 
 
-def test_auto_prefill_cap_lifts_for_a_burst_of_arrivals(monkeypatch):
-    """The auto cap binds while the prompts waiting fit in LIFT_STEPS capped steps, and lifts
-    for a larger backlog (then the held-back prompts would cost more first tokens than the
-    streams it spares)."""
+def test_auto_prefill_cap_grows_with_a_backlog_and_fills_the_bucket(monkeypatch):
+    """The auto cap binds while the prompts waiting fit in LIFT_STEPS capped steps, grows so a
+    larger backlog drains within that many steps, and rounds the step up to its graph bucket."""
     import blockspec.engine.scheduler as sched_mod
 
     monkeypatch.setattr(sched_mod, "DECODE_PREFILL_FLOOR", 4)
@@ -443,16 +448,22 @@ def test_auto_prefill_cap_lifts_for_a_burst_of_arrivals(monkeypatch):
         sched.add(make_seq(range(1, 4), rid))
     step(sched)  # a and b prefill whole: nothing decodes yet
     for rid in "cd":
-        sched.add(make_seq(range(1, 6), rid))
-    out = sched.schedule()  # 2 decode, 10 prompt tokens wait: over 2 steps of 4, no cap
-    assert out.num_new_tokens == [1, 1, 5, 5]
+        sched.add(make_seq(range(1, 11), rid))
+    out = sched.schedule()  # 2 decode, 20 prompt tokens wait: 10 per step drains them in 2
+    assert out.num_new_tokens == [1, 1, 10]
     for seq, n in zip(out.seqs, out.num_new_tokens):
         seq.num_computed_tokens += n
         seq.output_token_ids.append(7)
     sched.add(make_seq(range(1, 9), "e"))
-    out = sched.schedule()  # 4 decode, 8 tokens wait: 2 capped steps of max(4, 1 x 4)
+    out = sched.schedule()  # 3 decode, d's 10 + e's 8 wait: ceil(18 / 2) = 9
+    assert [s.request_id for s in out.seqs] == ["a", "b", "c", "d"]
+    assert out.num_new_tokens == [1, 1, 1, 9]
+    bucketed = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=100,
+                         decode_step_prefill_tokens=None, step_token_buckets=[8, 16])
+    bucketed.running, bucketed.waiting = sched.running, sched.waiting
+    out = bucketed.schedule()  # the same step: 3 decode + 9 = 12 tokens -> 16: 13 prefill
     assert [s.request_id for s in out.seqs] == ["a", "b", "c", "d", "e"]
-    assert out.num_new_tokens == [1, 1, 1, 1, 4]
+    assert out.num_new_tokens == [1, 1, 1, 10, 3]
 
 
 def test_partial_prefill_without_budget_waits_and_later_decodes_run():

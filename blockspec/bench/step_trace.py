@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from blockspec.engine.llm_engine import LLMEngine
+from blockspec.engine.step_result import StepTimings
 
 __all__ = ["StepTrace"]
 
@@ -23,7 +24,9 @@ class TraceStep:
     kinds: tuple[str, ...]  # StepMix keys ("path/L") the call added: a settle and a step, say
     ms: float  # the call's wall time
     prefill_tokens: int  # prompt tokens the call computed
-    num_decoding: int  # running sequences with one token to compute when it began
+    num_decoding: int  # running sequences past their prompts when it began
+    host_ms: float  # StepTimings.runner_host of the call: the runner's host work
+    wait_ms: float  # StepTimings.device_wait: blocked on the device at the step's sync
 
 
 @dataclass
@@ -35,24 +38,32 @@ class StepTrace:
     _prefilling: list[tuple[Any, int]] = field(default_factory=list)
     _decoding: int = 0
     _start: float = 0.0
+    _timings: StepTimings | None = None
 
     def before(self, engine: LLMEngine, now: float) -> None:
         """Called just before `engine.step()`."""
         sched = engine.scheduler
+        # NOTE: prompt positions only: a decoding sequence's computed count moves with steps
+        # in flight (async scheduling), its prompt's never after it is prefilled.
         self._prefilling = [(s, s.num_computed_tokens) for s in (*sched.running, *sched.waiting)
-                            if s.num_tokens - s.num_computed_tokens > 1]
-        self._decoding = len(sched.running) - sum(1 for s, _ in self._prefilling
-                                                  if s in sched.running)
+                            if s.num_computed_tokens < len(s.prompt_token_ids)]
+        self._decoding = sum(1 for s in sched.running
+                             if s.num_computed_tokens >= len(s.prompt_token_ids))
         self._counts = {k: v[0] for k, v in engine.step_mix.cells.items()}
+        self._timings = engine.timings.copy()
         self._start = now
 
     def after(self, engine: LLMEngine, now: float) -> None:
         """Called just after `engine.step()` returned."""
         kinds = tuple(f"{p}/{L}" for (p, L), v in sorted(engine.step_mix.cells.items())
                       if v[0] > self._counts.get((p, L), 0))
-        prefill = sum(max(0, s.num_computed_tokens - n) for s, n in self._prefilling)
-        self.steps.append(TraceStep(now, kinds, 1e3 * (now - self._start), prefill,
-                                    self._decoding))
+        prefill = sum(min(s.num_computed_tokens, len(s.prompt_token_ids)) - n
+                      for s, n in self._prefilling)
+        t = engine.timings
+        self.steps.append(TraceStep(
+            now, kinds, 1e3 * (now - self._start), prefill, self._decoding,
+            1e3 * (t.runner_host - self._timings.runner_host),
+            1e3 * (t.device_wait - self._timings.device_wait)))
 
     def gap(self, start: float, end: float) -> None:
         self.gaps.append((start, end))
@@ -70,8 +81,10 @@ class StepTrace:
             "slow_share": round(len(slow) / max(1, len(self.gaps)), 4),
             "slow_by_steps_inside": dict(groups.most_common(20)),
             "steps": [[round(1e3 * (s.end - t0), 2), "+".join(s.kinds), round(s.ms, 2),
-                       s.prefill_tokens, s.num_decoding] for s in self.steps[:MAX_RAW_STEPS]],
-            "steps_columns": ["end_ms", "kinds", "ms", "prefill_tokens", "num_decoding"],
+                       s.prefill_tokens, s.num_decoding, round(s.host_ms, 2),
+                       round(s.wait_ms, 2)] for s in self.steps[:MAX_RAW_STEPS]],
+            "steps_columns": ["end_ms", "kinds", "ms", "prefill_tokens", "num_decoding",
+                              "host_ms", "wait_ms"],
         }
 
     @staticmethod

@@ -84,9 +84,6 @@ class LLMEngine:
             num_blocks = all_min(num_blocks, self.device)
         self.block_manager = BlockManager(num_blocks, config.kv_block_size,
                                           config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
-                                   config.max_num_batched_tokens, self.lookahead_slots(),
-                                   config.decode_step_prefill_tokens)
         proposer = None
         if drafter is not None:
             # NOTE: +1: the trash block that padded lanes of a graphed step write to.
@@ -94,6 +91,10 @@ class LLMEngine:
                                       config.kv_block_size, self.dtype, self.device)
         self.runner = ModelRunner(config, kv_config, self.model, self.block_manager, self.dtype,
                                   self.max_model_len, proposer, self.spec_block_lens)
+        self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
+                                   config.max_num_batched_tokens, self.lookahead_slots(),
+                                   config.decode_step_prefill_tokens,
+                                   self.runner.flat.buckets if self.runner.flat else ())
         self.async_scheduling = config.use_async_scheduling
         self._pending: PendingDecode | PendingSpec | None = None  # the step in flight
         self.spec_stats = SpecStats()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 
 from blockspec.engine.kv_cache import BlockManager
@@ -32,36 +33,42 @@ class SchedulerOutput:
         return bool(self.seqs)
 
 
-# The "auto" prefill budget of a step with decoding sequences: PER_DECODE tokens per decoding
-# sequence, at least FLOOR. NOTE: PER_DECODE keeps a closed loop of 512-token prompts for
-# 256-token outputs fed at tau up to ~6; FLOOR fills the flat graph bucket of 768 tokens beside
-# 32 verify blocks of 8, where a mixed step costs about two decode steps (docs/benchmarks.md,
-# "Closed loop"). The cap lifts while the prompts waiting need more than LIFT_STEPS capped
-# steps: a burst of arrivals then waits less for its first tokens than the streams gain.
+# The "auto" prefill budget of a step with decoding sequences: at least FLOOR, PER_DECODE per
+# decoding sequence, and the prompt tokens waiting over LIFT_STEPS (a backlog drains within
+# that many steps), then rounded up so the step fills its graph bucket. NOTE: PER_DECODE keeps a
+# closed loop of 512-token prompts for 256-token outputs fed at tau up to ~6; FLOOR beside 32
+# verify blocks of 8 makes the 768-token bucket, a mixed step of ~2.5 decode steps on the 8B
+# shape (docs/benchmarks.md, "Closed loop"); the backlog term replaces a cliff (the whole step
+# budget beside every stream) with steps that grow with the queue.
 DECODE_PREFILL_FLOOR, DECODE_PREFILL_PER_DECODE, DECODE_PREFILL_LIFT_STEPS = 512, 12, 16
 
 
 def decode_prefill_budget(setting: int | None, num_decoding: int, step_budget: int,
-                          pending_prefill_tokens: int = 0) -> int:
-    """Prefill tokens a step may take beside `num_decoding` decoding sequences while
-    `pending_prefill_tokens` prompt tokens wait to be computed. `setting`:
-    EngineConfig.decode_step_prefill_tokens (0: no cap, N: at most N, None: the "auto" rule,
-    which lifts the cap for a backlog of over DECODE_PREFILL_LIFT_STEPS capped steps)."""
+                          pending_prefill_tokens: int = 0, decode_tokens: int = 0,
+                          buckets: Seq[int] = ()) -> int:
+    """Prefill tokens a step may take beside `num_decoding` decoding sequences (computing
+    `decode_tokens` tokens) while `pending_prefill_tokens` prompt tokens wait. `setting`:
+    EngineConfig.decode_step_prefill_tokens (0: no cap, N: at most N, None: the "auto" rule
+    above); `buckets`: the token counts mixed steps are padded to (ascending; none: eager)."""
     if not num_decoding or setting == 0:
         return step_budget
     if setting is None:
-        setting = max(DECODE_PREFILL_FLOOR, DECODE_PREFILL_PER_DECODE * num_decoding)
-        if pending_prefill_tokens > DECODE_PREFILL_LIFT_STEPS * setting:
-            return step_budget
+        setting = max(DECODE_PREFILL_FLOOR, DECODE_PREFILL_PER_DECODE * num_decoding,
+                      -(-pending_prefill_tokens // DECODE_PREFILL_LIFT_STEPS))
+        total = decode_tokens + setting
+        setting = next((b for b in buckets if b >= total), total) - decode_tokens
     return min(setting, step_budget)
 
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int,
                  max_num_batched_tokens: int, num_lookahead_slots: int = 0,
-                 decode_step_prefill_tokens: int | None = 0) -> None:
-        """`decode_step_prefill_tokens`: see decode_prefill_budget (default 0: no cap)."""
+                 decode_step_prefill_tokens: int | None = 0,
+                 step_token_buckets: Seq[int] = ()) -> None:
+        """`decode_step_prefill_tokens`: see decode_prefill_budget (default 0: no cap);
+        `step_token_buckets`: the token counts a mixed step's graph pads it to."""
         self.decode_step_prefill_tokens = decode_step_prefill_tokens
+        self.step_token_buckets = sorted(step_token_buckets)
         self.block_manager = block_manager
         self.num_lookahead_slots = num_lookahead_slots
         self.max_num_seqs = max_num_seqs
@@ -98,8 +105,9 @@ class Scheduler:
             decoding = left.count(1)
             pending = sum(n for n in left if n > 1) \
                 + sum(s.num_tokens - s.num_computed_tokens for s in self.waiting)
+            decode_tokens = decoding * (1 + min(self.num_lookahead_slots, budget_lookahead))
             prefill = decode_prefill_budget(self.decode_step_prefill_tokens, decoding, budget,
-                                            pending)
+                                            pending, decode_tokens, self.step_token_buckets)
         budget, prefill = self._schedule_running(out, budget, prefill, budget_lookahead)
         # NOTE: admit nothing new in a step that had to preempt: the cache is under pressure.
         if not out.num_preempted:
