@@ -40,12 +40,13 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-num-seqs", type=int, default=256, help="max running sequences")
     g.add_argument("--max-num-batched-tokens", type=int, default=8192,
                    help="token budget per step (prefills are chunked to fit)")
-    g.add_argument("--decode-step-prefill-tokens", type=_prefill_cap, default=0,
+    g.add_argument("--decode-step-prefill-tokens", type=_prefill_cap, default=None,
                    metavar="N|auto",
                    help="cap on the prefill tokens of a step that also decodes, which delay "
-                        "every running stream: lower ITL tails for fewer tokens/s (default 0: "
-                        "no cap; auto: 12 per decoding sequence, at least 256, lifted while as "
-                        "many requests prefill as decode)")
+                        "every running stream (0: no cap; auto: at least 512 and 12 per "
+                        "decoding sequence, more while a backlog of prompts waits, the step's "
+                        "graph bucket filled; default: auto for a speculative engine on CUDA, "
+                        "else 0)")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule and launch each decode step while the previous one runs: "
                         "plain and whole-block speculative steps of greedy batches without "
@@ -113,9 +114,9 @@ def block_sizes_arg(text: str) -> tuple[int, ...]:
     return sizes
 
 
-def _prefill_cap(text: str) -> int | None:
+def _prefill_cap(text: str) -> int | str:
     if text == "auto":
-        return None
+        return text
     try:
         value = int(text)
     except ValueError:

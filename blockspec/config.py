@@ -31,11 +31,12 @@ class EngineConfig:
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
-    # Prefill tokens of a step that also decodes (they delay every running stream): 0, the
-    # default, only max_num_batched_tokens bounds them; N at most N; None ("auto") 12 per
-    # decoding sequence, at least 256, lifted while as many requests prefill as decode
-    # (engine/scheduler.py): lower ITL tails, fewer tokens/s (docs/benchmarks.md).
-    decode_step_prefill_tokens: int | None = 0
+    # Prefill tokens of a step that also decodes (they delay every running stream): 0 only
+    # max_num_batched_tokens bounds them; N at most N; "auto" the scheduler's rule (at least
+    # 512 and 12 per decoding sequence, more while a backlog waits, the step's graph bucket
+    # filled: engine/scheduler.py); None, the default: "auto" for a speculative engine on
+    # CUDA, 0 otherwise (measured: docs/benchmarks.md, "Closed loop").
+    decode_step_prefill_tokens: int | str | None = None
     kv_block_size: int = 16
     kv_cache_memory_gb: float | None = None  # None: 1 GiB on CPU; on CUDA what is left of
     # gpu_memory_utilization x total after weights and a profiled warm-up forward
@@ -149,8 +150,10 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive")
-        if self.decode_step_prefill_tokens is not None and self.decode_step_prefill_tokens < 0:
-            raise ConfigError("decode_step_prefill_tokens must be >= 0 (0: no cap)")
+        cap = self.decode_step_prefill_tokens
+        if cap is not None and cap != "auto" and (not isinstance(cap, int) or cap < 0):
+            raise ConfigError(f"decode_step_prefill_tokens must be 'auto' or >= 0 (0: no cap), "
+                              f"got {cap!r}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ConfigError("max_model_len must be positive")
         if self.kv_block_size <= 0 or self.kv_block_size & (self.kv_block_size - 1):
@@ -194,6 +197,16 @@ class EngineConfig:
             raise ConfigError("synthetic acceptance must be a probability in [0, 1]")
         if self.draft is None:
             raise ConfigError("synthetic acceptance needs a draft model")
+
+    @property
+    def prefill_cap_setting(self) -> int | None:
+        """`decode_step_prefill_tokens` as the scheduler takes it (None: its "auto" rule).
+        NOTE: a speculative step carries tau tokens per stream, so a prefill beside it delays
+        that many; a mixed step's graph pads it to a bucket, which "auto" fills."""
+        cap = self.decode_step_prefill_tokens
+        if cap is None:
+            cap = "auto" if self.draft is not None and self.device.startswith("cuda") else 0
+        return None if cap == "auto" else cap
 
     @property
     def use_async_scheduling(self) -> bool:

@@ -75,10 +75,34 @@ def test_decode_step_prefill_tokens_flag():
     from blockspec.cli import build_parser, engine_kwargs
 
     parse = build_parser().parse_args
-    assert engine_kwargs(parse(["serve"]))["decode_step_prefill_tokens"] == 0
+    assert engine_kwargs(parse(["serve"]))["decode_step_prefill_tokens"] is None
     assert engine_kwargs(parse(["serve", "--decode-step-prefill-tokens", "auto"]))[
-        "decode_step_prefill_tokens"] is None
+        "decode_step_prefill_tokens"] == "auto"
+    assert engine_kwargs(parse(["serve", "--decode-step-prefill-tokens", "0"]))[
+        "decode_step_prefill_tokens"] == 0
     assert engine_kwargs(parse(["serve", "--decode-step-prefill-tokens", "384"]))[
         "decode_step_prefill_tokens"] == 384
     with pytest.raises(SystemExit):
         parse(["serve", "--decode-step-prefill-tokens", "-1"])
+
+
+def test_decode_step_prefill_tokens_default_resolution(qwen3_path, drafter16):
+    """The default caps prefill beside decodes ("auto") for a speculative engine on CUDA only;
+    an explicit setting holds everywhere; the engine's scheduler takes the resolved one."""
+    from blockspec.config import ConfigError, EngineConfig
+    from blockspec.engine.llm_engine import LLMEngine
+
+    plain = EngineConfig(str(qwen3_path), device="cpu")
+    spec = EngineConfig(str(qwen3_path), device="cpu", draft=str(drafter16))
+    assert plain.prefill_cap_setting == 0 and spec.prefill_cap_setting == 0  # CPU
+    spec.device = plain.device = "cuda"  # NOTE: the resolution alone; nothing runs on it
+    assert spec.prefill_cap_setting is None and plain.prefill_cap_setting == 0
+    for value, want in (("auto", None), (0, 0), (384, 384)):
+        spec.decode_step_prefill_tokens = plain.decode_step_prefill_tokens = value
+        assert spec.prefill_cap_setting == want and plain.prefill_cap_setting == want
+    for bad in (-1, "fast", 1.5):
+        with pytest.raises(ConfigError, match="decode_step_prefill_tokens"):
+            EngineConfig(str(qwen3_path), device="cpu", decode_step_prefill_tokens=bad)
+    engine = LLMEngine(EngineConfig(str(qwen3_path), device="cpu", num_kv_blocks=64,
+                                    decode_step_prefill_tokens="auto"))
+    assert engine.scheduler.decode_step_prefill_tokens is None

@@ -160,6 +160,8 @@ def engine_facts(engine: LLMEngine) -> dict[str, Any]:
         "kv_block_size": engine.config.kv_block_size, "max_num_seqs": engine.config.max_num_seqs,
         "spec_block_size": engine.spec_block_size or None,
         "async_scheduling": engine.async_scheduling,
+        "decode_step_prefill_tokens": "auto" if (cap := engine.config.prefill_cap_setting)
+        is None else cap,
         "load_format": engine.config.load_format,
         "parallel": {"tensor_parallel_size": engine.config.tensor_parallel_size,
                      "expert_parallel_size": engine.config.expert_parallel_size,

@@ -94,8 +94,9 @@ class FlatBuffers:
         """The drafter's tokens into their verify rows (on the device: no host sync)."""
         if len(batch.draft_dst):
             dev = self.input_ids.device
-            self.input_ids[torch.from_numpy(batch.draft_dst).to(dev)] = drafts.reshape(-1)[
-                torch.from_numpy(batch.draft_src).to(dev)]
+            # NOTE: non_blocking: a blocking copy would wait for the draft step to finish
+            self.input_ids[torch.from_numpy(batch.draft_dst).to(dev, non_blocking=True)] = \
+                drafts.reshape(-1)[torch.from_numpy(batch.draft_src).to(dev, non_blocking=True)]
 
     @staticmethod
     def _copy(dst: torch.Tensor, values: np.ndarray, pad: int) -> None:

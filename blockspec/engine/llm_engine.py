@@ -93,7 +93,7 @@ class LLMEngine:
                                   self.max_model_len, proposer, self.spec_block_lens)
         self.scheduler = Scheduler(self.block_manager, config.max_num_seqs,
                                    config.max_num_batched_tokens, self.lookahead_slots(),
-                                   config.decode_step_prefill_tokens,
+                                   config.prefill_cap_setting,
                                    self.runner.flat.buckets if self.runner.flat else ())
         self.async_scheduling = config.use_async_scheduling
         self._pending: PendingDecode | PendingSpec | None = None  # the step in flight

@@ -54,7 +54,10 @@ class MixedStep:
         rows = batch.sampled_rows
         if not len(rows):
             return StepResult(advance, [], [], [], [], [], [])
-        logits = self.model.compute_logits(hidden[torch.from_numpy(rows).to(dev)]).float()
+        # NOTE: non_blocking: a blocking copy would wait for the forward before the host could
+        # queue the logits, sampling and acceptance behind it
+        picked = hidden[torch.from_numpy(rows).to(dev, non_blocking=True)]
+        logits = self.model.compute_logits(picked).float()
         spec_seqs = [seqs[i] for i in spec]
         n_last = len(batch.last_rows)
         row_seqs = batch.last_seqs + [s for s in spec_seqs for _ in range(width)]
