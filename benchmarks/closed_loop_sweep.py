@@ -12,7 +12,8 @@ finishes.
     python benchmarks/closed_loop_sweep.py --out-dir DIR [--big-concurrency 1,8,32,64,128,256]
         [--engine-args "--decode-step-prefill-tokens auto"] [--skip-demo] [--acceptance 0.86]
 
-`--engine-args` go to every run (AR and DFlash alike): a what-if beside the defaults.
+`--engine-args` go to every run (AR and DFlash alike): a what-if beside the defaults (one flag
+alone is written `--engine-args=--step-trace`, or argparse takes it for an option).
 `--spec-variants "NAME=FLAGS;NAME=FLAGS"`: more DFlash runs of the 8B shape per acceptance, each
 with its own extra flags, against the same AR run (files `qwen3_8b_adaptive_a{a}_{NAME}`).
 Async scheduling is the default on one CUDA GPU; `--async-ab` and `--async-spec` run their

@@ -151,7 +151,7 @@ class EngineConfig:
             if getattr(self, name) <= 0:
                 raise ConfigError(f"{name} must be positive")
         cap = self.decode_step_prefill_tokens
-        if cap is not None and cap != "auto" and (not isinstance(cap, int) or cap < 0):
+        if cap is not None and cap != "auto" and (type(cap) is not int or cap < 0):
             raise ConfigError(f"decode_step_prefill_tokens must be 'auto' or >= 0 (0: no cap), "
                               f"got {cap!r}")
         if self.max_model_len is not None and self.max_model_len <= 0:
@@ -202,7 +202,8 @@ class EngineConfig:
     def prefill_cap_setting(self) -> int | None:
         """`decode_step_prefill_tokens` as the scheduler takes it (None: its "auto" rule).
         NOTE: a speculative step carries tau tokens per stream, so a prefill beside it delays
-        that many; a mixed step's graph pads it to a bucket, which "auto" fills."""
+        that many; a mixed step's graph pads it to a bucket, which "auto" fills. On CPU mixed
+        steps run eagerly at their size, and plain decoding keeps its throughput uncapped."""
         cap = self.decode_step_prefill_tokens
         if cap is None:
             cap = "auto" if self.draft is not None and self.device.startswith("cuda") else 0

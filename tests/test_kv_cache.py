@@ -434,13 +434,13 @@ def test_prefill_beside_decodes_is_capped_and_decodes_still_run():
 
 
 def test_auto_prefill_cap_grows_with_a_backlog_and_fills_the_bucket(monkeypatch):
-    """The auto cap binds while the prompts waiting fit in LIFT_STEPS capped steps, grows so a
+    """The auto cap binds while the prompts waiting fit in DRAIN_STEPS capped steps, grows so a
     larger backlog drains within that many steps, and rounds the step up to its graph bucket."""
     import blockspec.engine.scheduler as sched_mod
 
     monkeypatch.setattr(sched_mod, "DECODE_PREFILL_FLOOR", 4)
     monkeypatch.setattr(sched_mod, "DECODE_PREFILL_PER_DECODE", 1)
-    monkeypatch.setattr(sched_mod, "DECODE_PREFILL_LIFT_STEPS", 2)
+    monkeypatch.setattr(sched_mod, "DECODE_PREFILL_DRAIN_STEPS", 2)
     bm = BlockManager(256, BS, enable_prefix_caching=False)
     sched = Scheduler(bm, max_num_seqs=8, max_num_batched_tokens=100,
                       decode_step_prefill_tokens=None)

@@ -100,7 +100,7 @@ def test_decode_step_prefill_tokens_default_resolution(qwen3_path, drafter16):
     for value, want in (("auto", None), (0, 0), (384, 384)):
         spec.decode_step_prefill_tokens = plain.decode_step_prefill_tokens = value
         assert spec.prefill_cap_setting == want and plain.prefill_cap_setting == want
-    for bad in (-1, "fast", 1.5):
+    for bad in (-1, "fast", 1.5, True):
         with pytest.raises(ConfigError, match="decode_step_prefill_tokens"):
             EngineConfig(str(qwen3_path), device="cpu", decode_step_prefill_tokens=bad)
     engine = LLMEngine(EngineConfig(str(qwen3_path), device="cpu", num_kv_blocks=64,

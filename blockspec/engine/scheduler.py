@@ -34,13 +34,13 @@ class SchedulerOutput:
 
 
 # The "auto" prefill budget of a step with decoding sequences: at least FLOOR, PER_DECODE per
-# decoding sequence, and the prompt tokens waiting over LIFT_STEPS (a backlog drains within
+# decoding sequence, and the prompt tokens waiting over DRAIN_STEPS (a backlog drains within
 # that many steps), then rounded up so the step fills its graph bucket. NOTE: PER_DECODE keeps a
 # closed loop of 512-token prompts for 256-token outputs fed at tau up to ~6; FLOOR beside 32
 # verify blocks of 8 makes the 768-token bucket, a mixed step of ~2.5 decode steps on the 8B
 # shape (docs/benchmarks.md, "Closed loop"); the backlog term replaces a cliff (the whole step
 # budget beside every stream) with steps that grow with the queue.
-DECODE_PREFILL_FLOOR, DECODE_PREFILL_PER_DECODE, DECODE_PREFILL_LIFT_STEPS = 512, 12, 16
+DECODE_PREFILL_FLOOR, DECODE_PREFILL_PER_DECODE, DECODE_PREFILL_DRAIN_STEPS = 512, 12, 16
 
 
 def decode_prefill_budget(setting: int | None, num_decoding: int, step_budget: int,
@@ -54,7 +54,7 @@ def decode_prefill_budget(setting: int | None, num_decoding: int, step_budget: i
         return step_budget
     if setting is None:
         setting = max(DECODE_PREFILL_FLOOR, DECODE_PREFILL_PER_DECODE * num_decoding,
-                      -(-pending_prefill_tokens // DECODE_PREFILL_LIFT_STEPS))
+                      -(-pending_prefill_tokens // DECODE_PREFILL_DRAIN_STEPS))
         total = decode_tokens + setting
         setting = next((b for b in buckets if b >= total), total) - decode_tokens
     return min(setting, step_budget)
