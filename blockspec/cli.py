@@ -281,7 +281,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    raw = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    parser.set_defaults(argv=raw)  # NOTE: `bench compare` hands its flags to each offline run
+    args = parser.parse_args(raw)
     try:
         return args.func(args)
     except ConfigError as e:

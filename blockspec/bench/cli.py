@@ -1,4 +1,4 @@
-"""`blockspec bench serve | offline | report`: argument parsing and dispatch.
+"""`blockspec bench serve | offline | compare | report`: argument parsing and dispatch.
 
 The heavy modules (httpx client, engine, matplotlib) are imported per subcommand, so `blockspec
 --help` stays fast. `python -m blockspec.bench.cli SUBCOMMAND ...` runs the same commands.
@@ -15,7 +15,7 @@ from blockspec.bench.common import DEFAULT_CONCURRENCY
 from blockspec.config import ConfigError
 
 
-def _add_workload_args(p: argparse.ArgumentParser) -> None:
+def _add_workload_args(p: argparse.ArgumentParser, out: bool = True) -> None:
     g = p.add_argument_group("workload")
     g.add_argument("--concurrency", default=DEFAULT_CONCURRENCY,
                    help=f"comma-separated requests in flight, one level each "
@@ -35,8 +35,33 @@ def _add_workload_args(p: argparse.ArgumentParser) -> None:
                    help="generate exactly --output-len tokens (fixed-length benchmark)")
     g.add_argument("--dataset-seed", type=int, default=0, help="seed of the random prompts")
     g.add_argument("--label", default=None, help="config name in result tables")
-    g.add_argument("--out", default=None, metavar="RESULT.json",
-                   help="write the results (rewritten after every level)")
+    if out:
+        g.add_argument("--out", default=None, metavar="RESULT.json",
+                       help="write the results (rewritten after every level)")
+
+
+def _add_offline_args(o: argparse.ArgumentParser,
+                      add_engine_args: Callable[[argparse.ArgumentParser], None]) -> None:
+    """The engine and benchmark flags of `bench offline` (and of `bench compare`, which passes
+    them to each config's offline run)."""
+    add_engine_args(o)
+    b = o.add_argument_group("benchmark")
+    b.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
+                   help="dummy: random weights of the checkpoint's shapes (system benchmarks)")
+    b.add_argument("--synthetic-acceptance", type=float, default=None, metavar="A",
+                   help="BENCHMARK-ONLY: accept each draft position with probability A instead "
+                        "of verifying (needs --draft; output is not the target's; results are "
+                        "labelled synthetic)")
+    b.add_argument("--chat", action="store_true",
+                   help="wrap plain prompts as a user message with the chat template")
+    b.add_argument("--warmup-tokens", type=int, default=16,
+                   help="tokens per warm-up request: 2 x C requests before each level, of the "
+                        "dataset's prompts cut to 32 tokens (random ones with --dataset random); "
+                        "0: only the initial warm-up")
+    b.add_argument("--step-trace", action="store_true",
+                   help="diagnostics: record every step of each level and group the gaps "
+                        "between a stream's outputs over 25 ms by the steps inside them "
+                        "(each level's 'step_trace' in --out)")
 
 
 def _add_subcommands(parser: argparse.ArgumentParser,
@@ -64,25 +89,24 @@ def _add_subcommands(parser: argparse.ArgumentParser,
     _add_workload_args(s)
 
     o = sub.add_parser("offline", help="sweep concurrency with the engine in-process (no HTTP)")
-    add_engine_args(o)
-    b = o.add_argument_group("benchmark")
-    b.add_argument("--load-format", choices=["auto", "dummy"], default="auto",
-                   help="dummy: random weights of the checkpoint's shapes (system benchmarks)")
-    b.add_argument("--synthetic-acceptance", type=float, default=None, metavar="A",
-                   help="BENCHMARK-ONLY: accept each draft position with probability A instead "
-                        "of verifying (needs --draft; output is not the target's; results are "
-                        "labelled synthetic)")
-    b.add_argument("--chat", action="store_true",
-                   help="wrap plain prompts as a user message with the chat template")
-    b.add_argument("--warmup-tokens", type=int, default=16,
-                   help="tokens per warm-up request: 2 x C requests before each level, of the "
-                        "dataset's prompts cut to 32 tokens (random ones with --dataset random); "
-                        "0: only the initial warm-up")
-    b.add_argument("--step-trace", action="store_true",
-                   help="diagnostics: record every step of each level and group the gaps "
-                        "between a stream's outputs over 25 ms by the steps inside them "
-                        "(each level's 'step_trace' in --out)")
+    _add_offline_args(o, add_engine_args)
     _add_workload_args(o)
+
+    c = sub.add_parser("compare", help="one model over parallel layouts, plain and with its "
+                                       "drafter: an offline sweep each, then one table")
+    _add_offline_args(c, add_engine_args)
+    g = c.add_argument_group("compare")
+    g.add_argument("--layouts", required=True, metavar="L,L,...",
+                   help="comma-separated: tpN (tensor parallel over N devices), epN (N devices, "
+                        "whole experts on each), epAxB (A expert groups of B devices), e.g. "
+                        "tp8,ep8,ep4x2; tp1 is one device")
+    g.add_argument("--speculative", choices=["off", "on", "both"], default=None,
+                   help="each layout plain (off), with --draft (on) or both (default: both "
+                        "with --draft, else off)")
+    g.add_argument("--out", required=True, metavar="DIR",
+                   help="folder for each config's result JSON, compare.md, compare.png and "
+                        "compare.json")
+    _add_workload_args(c, out=False)
 
     r = sub.add_parser("report", help="comparison tables and a plot from result files")
     r.add_argument("results", nargs="+", metavar="RESULT.json")
@@ -97,9 +121,11 @@ def _add_subcommands(parser: argparse.ArgumentParser,
 
 def add_bench_parser(subparsers: Any,
                      add_engine_args: Callable[[argparse.ArgumentParser], None]) -> None:
-    """Registers `bench` (with serve / offline / report) on the top-level subparsers."""
+    """Registers `bench` (with serve / offline / compare / report) on the top-level
+    subparsers."""
     bench = subparsers.add_parser(
-        "bench", help="benchmarks: serve (HTTP sweep), offline (engine sweep), report")
+        "bench", help="benchmarks: serve (HTTP sweep), offline (engine sweep), compare "
+                      "(parallel layouts), report")
     _add_subcommands(bench, add_engine_args)
 
 
@@ -118,6 +144,10 @@ def cmd_bench(args: argparse.Namespace,
         from blockspec.bench.serve import run_serve
 
         result = run_serve(args)
+    elif args.bench_command == "compare":
+        from blockspec.bench.compare import run_compare
+
+        return run_compare(args)
     elif args.bench_command == "offline":
         from blockspec.bench.offline import run_offline
 
