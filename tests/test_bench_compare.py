@@ -4,6 +4,7 @@ best plain layout, one CPU run over gloo (one device and two ranks), and a faili
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -127,3 +128,88 @@ def test_compare_refuses_what_it_sets_itself(qwen3_path, tmp_path, capsys):
     assert main([*base, "-tp", "2"]) == 2
     assert main([*base, "--speculative", "on"]) == 2
     assert "needs --draft" in capsys.readouterr().err
+
+
+def test_synthetic_acceptance_for_an_acceptance_length():
+    from blockspec.bench.compare import acceptance_for_length, acceptance_length
+
+    assert acceptance_length(0.86, 8) == pytest.approx(5.0056, abs=1e-4)  # the a=0.86 runs'
+    a = acceptance_for_length(3.8, 8)  # the deployment's block-8 acceptance length
+    assert 0.76 < a < 0.78 and acceptance_length(a, 8) == pytest.approx(3.8, abs=1e-3)
+    assert acceptance_for_length(1.0, 8) == 0.0 and acceptance_for_length(8.0, 8) == 1.0
+    with pytest.raises(ConfigError, match="outside"):
+        acceptance_for_length(9.0, 8)
+
+
+def _kimi_script():
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "kimi_compare.py"
+    spec = importlib.util.spec_from_file_location("kimi_compare", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_kimi_shapes_and_the_bytes_model(tmp_path):
+    """Issue 25's folders: Kimi K2.6's text model (61 layers, MLA, 384 int4 experts top 8) and
+    its published drafter's shape; the bytes model reproduces DESIGN.md's batch-1 gains."""
+    from blockspec.bench.moe_shapes import (
+        KIMI_DRAFTER,
+        distinct_experts,
+        kimi_k26,
+        write_moe_folders,
+    )
+    from blockspec.config import ModelConfig
+    from blockspec.dflash.config import DFlashConfig
+
+    target, drafter = write_moe_folders(tmp_path, "kimi", kimi_k26(), 6, 8,
+                                        KIMI_DRAFTER["target_layer_ids"])
+    cfg = ModelConfig.from_pretrained(target)
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.moe.num_experts) == (61, 7168, 384)
+    assert cfg.quant is not None and cfg.quant.group_size == 32
+    d = DFlashConfig.from_pretrained(drafter)
+    assert (d.block_size, d.mask_token_id, d.target_layer_ids) == (
+        8, 163838, [1, 12, 24, 35, 47, 58])
+    assert [round(distinct_experts(384, 8, t), 1) for t in (1, 4, 8)] == [8.0, 31.0, 59.5]
+    mod = _kimi_script()
+    # DESIGN.md: at a=0.86, batch 1, block 4 gains 1.64x and block 8 1.57x by bytes
+    from blockspec.bench.compare import acceptance_length
+
+    assert mod.bytes_model_c1(acceptance_length(0.86, 4), 4) == pytest.approx(1.64, abs=0.01)
+    assert mod.bytes_model_c1(acceptance_length(0.86, 8), 8) == pytest.approx(1.57, abs=0.01)
+
+
+def test_kimi_compare_plans_every_layout_and_acceptance(tmp_path, monkeypatch):
+    """The script's plan and headline, its offline runs stubbed (the real ones: the compare
+    test above runs offline processes over gloo; tests/test_parallel.py the int4 experts
+    under TP and EP): AR per layout, DFlash per layout and acceptance, on the Kimi folders."""
+    mod = _kimi_script()
+    seen = []
+
+    def fake_run_configs(plan, common, out):
+        model = common[common.index("--model") + 1]
+        assert json.loads((Path(model) / "config.json").read_text())["num_hidden_layers"] == 61
+        seen.extend(plan)
+        results = {}
+        for name, label, _ in plan:
+            spec = not name.endswith("_ar")
+            res = _result(label, {1: 300.0 if spec else 100.0, 8: 500.0})
+            res["levels"][0].update(step_mix={"ahead/4": {"tokens": 90}, "eager/0": {
+                "tokens": 5}} if spec else {}, acceptance={"mean_acceptance_length": 3.2})
+            results[name] = res
+        return results, []
+
+    monkeypatch.setattr(mod, "run_configs", fake_run_configs)
+    assert mod.main(["--out-dir", str(tmp_path), "--concurrency", "1,8"]) == 0
+    names = [n for n, _, _ in seen]
+    a = mod.acceptance_for_length(mod.DEPLOYMENT_TAU, 8)
+    assert names[:3] == ["tp8_ar", "ep8_ar", "ep4x2_ar"]
+    assert set(names[3:]) == {f"{lay}_dflash_a{x:g}" for lay in ("tp8", "ep8", "ep4x2")
+                              for x in (a, 0.86)}
+    flags = seen[-1][2]  # ep4x2's DFlash row at a=0.86
+    assert flags[:4] == ["-tp", "8", "-ep", "4"] and "--synthetic-acceptance" in flags
+    head = json.loads((tmp_path / "kimi_compare.json").read_text())["headline"]
+    assert head["a0.86"]["dflash_c1_vs_best_ar"] == 3.0 and head["a0.86"]["c1_block"] == 4
+    assert head["a0.86"]["min_ratio_vs_best_ar"] == 1.0
+    assert head["a0.86"]["bytes_model_c1"] == pytest.approx(mod.bytes_model_c1(3.2, 4))

@@ -77,6 +77,25 @@ def test_tp2_deepseek_v3_greedy_equals_one_process(deepseek_pair, ds_ref, ep):
         == ds_ref
 
 
+@pytest.mark.parametrize("ep", [1, 2])
+def test_tp2_int4_experts_greedy_equals_one_process(deepseek_pair, tmp_path, ep):
+    """Kimi K2.x's checkpoint format (compressed-tensors int4 routed experts, the rest dense):
+    each expert's packed weights and scale groups split over 2 ranks (EP 1) or whole experts
+    on one (EP 2); this rank holds only its slice."""
+    from quant_models import int4_checkpoint
+
+    path = int4_checkpoint(deepseek_pair[0], tmp_path / "int4", group=16)
+    ref = tokens(LLM(str(path), **KW))
+    llm = LLM(str(path), **KW, tensor_parallel_size=2, expert_parallel_size=ep)
+    try:
+        assert tokens(llm) == ref
+        local = llm.engine.model.model.layers[1].mlp.block.experts.local
+        # NOTE: 8 experts of intermediate 32 (4 int4 words per row of down's columns)
+        assert tuple(local.down_proj_packed.shape) == ((8, 64, 2) if ep == 1 else (4, 64, 4))
+    finally:
+        llm.engine.shutdown()
+
+
 @pytest.mark.parametrize("policy", ["fixed", "adaptive"])
 def test_tp2_dflash_greedy_equals_autoregressive(deepseek_pair, ds_ref, policy):
     """Fixed blocks of 8; the adaptive policy prices steps by rank 0's cost profile and step

@@ -23,7 +23,8 @@ from blockspec.bench.report import _levels, _table, load_result, plot_sweep
 from blockspec.config import ConfigError
 from blockspec.parallel.launch import layout_label
 
-__all__ = ["Layout", "parse_layouts", "offline_argv", "run_compare"]
+__all__ = ["Layout", "acceptance_for_length", "acceptance_length", "comparison", "configs",
+           "offline_argv", "parse_layouts", "run_compare", "run_configs"]
 
 COLUMNS = (1, 32, 64, 128)
 
@@ -90,6 +91,23 @@ def configs(layouts: list[Layout], speculative: str, draft: str | None,
         if speculative in ("on", "both"):
             out.append((f"{lay.name}_dflash", f"{lay.label} DFlash", [*lay.flags(), *spec]))
     return out
+
+
+def acceptance_length(a: float, block: int) -> float:
+    """The mean tokens a verify block of `block` commits when each draft position is accepted
+    with probability `a` until the first rejection (the synthetic mode): 1 + a + ... + a^(B-1)."""
+    return sum(a ** k for k in range(block))
+
+
+def acceptance_for_length(tau: float, block: int) -> float:
+    """The synthetic acceptance `a` whose block of `block` commits `tau` tokens on average."""
+    if not 1.0 <= tau <= block:
+        raise ConfigError(f"an acceptance length of {tau} is outside [1, {block}]")
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if acceptance_length(mid, block) < tau else (lo, mid)
+    return round((lo + hi) / 2, 4)
 
 
 def best_plain(results: dict[str, dict[str, Any]]) -> dict[int, tuple[float, str]]:

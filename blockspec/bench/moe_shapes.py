@@ -16,8 +16,9 @@ from blockspec.dflash.checkpoint import new_drafter_config
 from blockspec.layers.attention import AttentionMetadata
 from blockspec.tiny import build_tokenizer
 
-__all__ = ["KIMI_INT4", "KIMI_MASK_TOKEN", "MOONLIGHT", "expert_bytes", "kimi_slice", "layer_times",
-           "step_floor_bytes", "write_moe_folders"]
+__all__ = ["KIMI_DRAFTER", "KIMI_INT4", "KIMI_MASK_TOKEN", "MOONLIGHT", "distinct_experts",
+           "expert_bytes", "kimi_k26", "kimi_slice", "layer_times", "step_floor_bytes",
+           "write_moe_folders"]
 
 _DEEPSEEK = dict(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3",
                  hidden_act="silu", topk_method="noaux_tc", scoring_func="sigmoid",
@@ -56,10 +57,27 @@ def kimi_slice(num_moe_layers: int) -> dict[str, Any]:
                 first_k_dense_replace=1, max_position_embeddings=8192, rms_norm_eps=1e-5)
 
 
+# Kimi K2.6's published DFlash drafter (DESIGN.md): 6 layers, block 8, these target layers.
+KIMI_DRAFTER: dict[str, Any] = dict(draft_layers=6, block_size=8,
+                                    target_layer_ids=[1, 12, 24, 35, 47, 58])
+
+
+def kimi_k26() -> dict[str, Any]:
+    """Kimi K2.6's whole text model (61 layers, the first dense) with INT4 routed experts."""
+    return {**kimi_slice(60), "quantization_config": KIMI_INT4}
+
+
+def distinct_experts(num_experts: int, top_k: int, tokens: int) -> float:
+    """Experts `tokens` tokens select in one layer under uniform routing: E(1 - (1 - k/E)^T)."""
+    return num_experts * (1 - (1 - top_k / num_experts) ** tokens)
+
+
 def write_moe_folders(root: Path, name: str, shape: dict[str, Any], draft_layers: int = 0,
-                      block_size: int = 16) -> tuple[Path, Path | None]:
+                      block_size: int = 16, target_layer_ids: list[int] | None = None
+                      ) -> tuple[Path, Path | None]:
     """(target, drafter or None) folders under `root`: config.json and a tokenizer (only for
-    the engine's tokenizer slot: prompts are token ids), no weights."""
+    the engine's tokenizer slot: prompts are token ids), no weights. `target_layer_ids`: the
+    drafter's (default: spread over the target, the published recipe)."""
     target = root / name
     target.mkdir(parents=True, exist_ok=True)
     build_tokenizer(target)
@@ -70,7 +88,7 @@ def write_moe_folders(root: Path, name: str, shape: dict[str, Any], draft_layers
     drafter.mkdir(parents=True, exist_ok=True)
     build_tokenizer(drafter)
     cfg = new_drafter_config(ModelConfig.from_dict(shape, "deepseek_v3"), draft_layers,
-                             block_size, KIMI_MASK_TOKEN)
+                             block_size, KIMI_MASK_TOKEN, target_layer_ids)
     (drafter / "config.json").write_text(json.dumps(cfg.to_dict()))
     return target, drafter
 

@@ -56,6 +56,32 @@ class Int4Experts(QuantExperts):
         self.down_proj_packed = _param(e, h, i // INT4_PER_WORD, dtype=torch.int32)
         self.down_proj_scale = _param(e, h, i // self.group_i, dtype=scale_dtype)
 
+    def sliced(self, first: int, count: int, part: int, parts: int) -> Int4Experts:
+        """Experts [first, first + count), each keeping part `part` of `parts` of its
+        intermediate size (gate/up rows, down's packed columns and their scale groups): an
+        expert-parallel rank's share. The slice must hold whole scale groups and words."""
+        i, full = self.inter // parts, self.inter
+        if self.inter % parts or i % self.group_i or i % INT4_PER_WORD:
+            raise ConfigError(f"int4 experts: intermediate size {full} does not split into "
+                              f"{parts} parts of whole {self.group_i}-column scale groups")
+        rows = torch.cat([torch.arange(part * i, (part + 1) * i),
+                          torch.arange(full + part * i, full + (part + 1) * i)])
+        e = slice(first, first + count)
+        out = Int4Experts.__new__(Int4Experts)
+        nn.Module.__init__(out)
+        out.hidden, out.inter, out.group_h, out.group_i = self.hidden, i, self.group_h, self.group_i
+
+        def keep(t: torch.Tensor, cols: int | None = None) -> nn.Parameter:
+            t = t.data[e]
+            t = t[:, rows] if cols is None else t[..., part * cols:(part + 1) * cols]
+            return nn.Parameter(t.contiguous(), requires_grad=False)
+
+        out.gate_up_proj_packed, out.gate_up_proj_scale = keep(self.gate_up_proj_packed), \
+            keep(self.gate_up_proj_scale)
+        out.down_proj_packed = keep(self.down_proj_packed, i // INT4_PER_WORD)
+        out.down_proj_scale = keep(self.down_proj_scale, i // self.group_i)
+        return out
+
     def weights(self) -> tuple[QuantWeight, QuantWeight]:
         return (QuantWeight("int4", self.gate_up_proj_packed, self.gate_up_proj_scale,
                             (1, self.group_h), self.hidden),

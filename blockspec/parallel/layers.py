@@ -99,3 +99,28 @@ class GroupExperts(nn.Module):
         weights = weights * mine.to(weights.dtype)
         experts = fused_experts if backend == "triton" else experts_reference
         return experts(x, weights, local, self.gate_up_proj, self.down_proj, residual=residual)
+
+
+class GroupQuantExperts(nn.Module):
+    """GroupExperts over quantized weights: `local` (a QuantExperts holding this rank's slice
+    of the experts [first, first + count)) runs the picks of its experts; the others weigh zero
+    here and are summed in by the MoE block's all-reduce."""
+
+    def __init__(self, local: nn.Module, first: int, count: int, num_experts: int) -> None:
+        super().__init__()
+        self.local = local
+        self.first, self.count, self.num_experts = first, count, num_experts
+        # NOTE: the local experts count their own picks; the layer's stats count all groups'
+        self.register_buffer("local_stats", torch.zeros(2, dtype=torch.int64), persistent=False)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                backend: str, stats: torch.Tensor,
+                residual: torch.Tensor | None = None) -> torch.Tensor:
+        from blockspec.layers.moe import count_experts
+
+        count_experts(ids, self.num_experts, stats)
+        local = ids - self.first
+        mine = (local >= 0) & (local < self.count)
+        local = torch.where(mine, local, torch.zeros_like(local))
+        weights = weights * mine.to(weights.dtype)
+        return self.local(x, weights, local, backend, self.local_stats, residual)

@@ -19,14 +19,15 @@ from torch import nn
 from blockspec.config import ConfigError, EngineConfig, ModelConfig
 from blockspec.layers.rotary import RotaryEmbedding
 from blockspec.models.loader import (
-    MODEL_CLASSES,
     _check_complete,
     _served_name,
     _whole_experts,
+    build_model,
     copy_weight,
     init_dummy_weights,
     safetensors_files,
 )
+from blockspec.models.quant_loader import QuantTensors
 from blockspec.parallel.shard import local_kv_config, shard_layer, shard_vocab
 from blockspec.parallel.state import ParallelState, get_state
 
@@ -35,15 +36,15 @@ TOP = -1  # the unit of the embedding, final norm and LM head
 
 
 def _build_on_meta(cfg: ModelConfig, dtype: torch.dtype) -> nn.Module:
+    """The one-device build (quantized modules included) on the meta device."""
+    model = build_model(cfg, dtype, "meta")
     prev = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with torch.device("meta"):
-            model = MODEL_CLASSES[cfg.model_type](cfg)
         _fix_buffers(model, cfg)  # NOTE: under the same default dtype as the one-GPU build
     finally:
         torch.set_default_dtype(prev)
-    return model.eval().requires_grad_(False)
+    return model
 
 
 def _allocate(unit: nn.Module) -> None:
@@ -81,9 +82,10 @@ def _keys_by_unit(path: str | Path, cfg: ModelConfig) -> dict[int, list[tuple[Pa
     return units
 
 
-def _fill(model: nn.Module, unit: nn.Module, prefix: str, entries: list, path: str | Path
-          ) -> None:
-    """Copies the unit's checkpoint tensors into it; refuses a checkpoint that lacks some."""
+def _fill(model: nn.Module, unit: nn.Module, prefix: str, entries: list, path: str | Path,
+          quant: QuantTensors | None) -> None:
+    """Copies the unit's checkpoint tensors into it (`quant`: a quantized checkpoint's pieces
+    placed as the one-device loader places them); refuses a checkpoint that lacks some."""
     params = {n: p for n, p in model.named_parameters()
               if n.startswith(prefix) and any(p is q for q in unit.parameters())}
     loaded: set[str] = set()
@@ -93,8 +95,10 @@ def _fill(model: nn.Module, unit: nn.Module, prefix: str, entries: list, path: s
     for file, items in by_file.items():
         with safe_open(str(file), framework="pt") as f:
             for key, name in items:
+                tensor = f.get_tensor(key)
                 try:
-                    loaded.add(copy_weight(model, name, f.get_tensor(key), params))
+                    for n, t in quant.offer(name, tensor) if quant else [(name, tensor)]:
+                        loaded.add(copy_weight(model, n, t, params))
                 except KeyError:
                     raise ConfigError(f"unexpected weight {name!r} in {file.name}") from None
     _check_complete(model, params, loaded | _whole_experts(loaded, params), path)
@@ -108,26 +112,26 @@ def _top_unit(model: nn.Module, cfg: ModelConfig) -> nn.ModuleList:
 
 
 def _load_unit(model: nn.Module, unit: nn.Module, prefix: str, entries: list,
-               config: EngineConfig, seed: int) -> None:
+               config: EngineConfig, seed: int, quant: QuantTensors | None) -> None:
     _allocate(unit)
     if config.load_format == "dummy":
         # NOTE: one seed per unit, the same on every rank: the ranks slice the same weights
         # (not the single-GPU engine's; dummy weights serve timings only).
         init_dummy_weights(unit, seed=seed)
     else:
-        _fill(model, unit, prefix, entries, config.model_path)
+        _fill(model, unit, prefix, entries, config.model_path, quant)
 
 
 def load_sharded(config: EngineConfig, cfg: ModelConfig, dtype: torch.dtype,
                  device: torch.device, ps: ParallelState | None = None
                  ) -> tuple[nn.Module, ModelConfig]:
     """This rank's slice of the target on `device`, and the model config its KV cache sees."""
-    if cfg.quant is not None:
-        raise ConfigError("tensor parallelism supports unquantized checkpoints only for now")
     ps = ps or get_state()
     model = _build_on_meta(cfg, dtype)
+    quant = QuantTensors(model, cfg) if cfg.quant is not None else None
     units = _keys_by_unit(config.model_path, cfg) if config.load_format != "dummy" else {}
-    _load_unit(model, _top_unit(model, cfg), "", units.get(TOP, []), config, seed=0)
+    _load_unit(model, _top_unit(model, cfg), "", units.get(TOP, []), config, seed=0,
+               quant=quant)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     shard_vocab(model, cfg.vocab_size, ps, cfg.tie_word_embeddings)
@@ -135,9 +139,12 @@ def load_sharded(config: EngineConfig, cfg: ModelConfig, dtype: torch.dtype,
         part.to(device)
     local_kv = None
     for i, layer in enumerate(model.model.layers):
-        _load_unit(model, layer, f"model.layers.{i}.", units.get(i, []), config, seed=i + 1)
+        _load_unit(model, layer, f"model.layers.{i}.", units.get(i, []), config, seed=i + 1,
+                   quant=quant)
         local_kv = shard_layer(layer, ps)
         layer.to(device)
+    if quant is not None:
+        quant.finish()
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
     if left:  # NOTE: a new parameter or computed buffer needs its unit or recomputation here
         raise RuntimeError(f"tensor-parallel load left meta tensors: {left[:3]}")

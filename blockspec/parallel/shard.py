@@ -19,9 +19,11 @@ from blockspec.config import ConfigError, ModelConfig
 from blockspec.layers.attention import PagedAttention
 from blockspec.layers.linear import Linear
 from blockspec.models.deepseek_v3 import Experts, MLAttention, MoE
+from blockspec.models.quant_experts import Int4Experts
 from blockspec.models.qwen3 import MLP, Attention
 from blockspec.parallel.layers import (
     GroupExperts,
+    GroupQuantExperts,
     ParallelLMHead,
     ReduceOutput,
     VocabParallelEmbedding,
@@ -45,8 +47,8 @@ def _set(lin: nn.Module, spans: list[tuple[int, int]], dim: int, keep_bias: bool
     """`lin` (a Linear) keeps the spans of its output rows (dim 0) or input columns (dim 1);
     a column split keeps its bias on one rank (the all-reduce adds it once)."""
     if type(lin) is not Linear:
-        raise ConfigError(f"tensor parallelism supports unquantized checkpoints only for now "
-                          f"({type(lin).__name__})")
+        raise ConfigError(f"tensor parallelism supports quantized routed experts only (int4, "
+                          f"as Kimi K2.x ship), not a quantized {type(lin).__name__}")
     lin.weight = nn.Parameter(_rows(lin.weight.data, spans, dim), requires_grad=False)
     if lin.bias is not None:
         bias = _rows(lin.bias.data, spans) if dim == 0 else \
@@ -107,8 +109,17 @@ def _shard_mlp(mlp: MLP, rank: int, parts: int) -> None:
 
 def _shard_experts(moe: MoE, ps: ParallelState) -> None:
     ex = moe.experts
+    if isinstance(ex, Int4Experts):
+        e = _part(ex.gate_up_proj_packed.shape[0], ps.expert_parallel_size, "routed experts")
+        first = ps.expert_group * e
+        local = ex.sliced(first, e, ps.expert_tp_rank, ps.expert_tp_size)
+        moe.experts = GroupQuantExperts(local, first, e, moe.moe.num_experts)
+        if moe.shared_experts is not None:
+            _shard_mlp(moe.shared_experts, ps.rank, ps.world_size)
+        return
     if type(ex) is not Experts:
-        raise ConfigError("expert parallelism supports unquantized experts only for now")
+        raise ConfigError(f"tensor/expert parallelism supports bf16 and int4 routed experts, "
+                          f"not {type(ex).__name__}")
     e = _part(ex.gate_up_proj.shape[0], ps.expert_parallel_size, "routed experts")
     full = ex.down_proj.shape[2]
     i = _part(full, ps.expert_tp_size, "expert intermediate size")
