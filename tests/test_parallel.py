@@ -13,7 +13,7 @@ import pytest
 import torch.distributed as dist
 
 from blockspec import LLM, SamplingParams
-from blockspec.config import ConfigError, EngineConfig
+from blockspec.config import ConfigError, EngineConfig, ModelConfig
 from blockspec.engine.llm_engine import LLMEngine
 from blockspec.tiny import build_tiny_model
 
@@ -274,3 +274,39 @@ def test_two_nodes_run_as_one_engine(qwen3_path):
         assert node1.wait(timeout=60) == 0
     finally:
         node1.kill()
+
+
+def test_int4_expert_slices_sum_to_the_whole_experts(deepseek_pair, tmp_path):
+    """Without processes: the partial outputs of each rank's slice (experts by group, each
+    expert's intermediate size by part) add up to the whole experts' output, which is what the
+    MoE block's all-reduce computes; a quantized Linear is refused by name."""
+    import torch
+    from quant_models import int4_checkpoint
+
+    from blockspec.models.loader import load_model
+    from blockspec.parallel.layers import GroupQuantExperts
+    from blockspec.parallel.shard import shard_layer
+    from blockspec.parallel.state import ParallelState
+
+    path = int4_checkpoint(deepseek_pair[0], tmp_path / "int4", group=16)
+    cfg = ModelConfig.from_pretrained(path)
+    whole = load_model(path, cfg, torch.float32, "cpu").model.layers[1].mlp.experts
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, cfg.hidden_size, generator=g)
+    ids = torch.randint(0, 8, (5, 2), generator=g)
+    weights = torch.rand(5, 2, generator=g)
+    stats = torch.zeros(2, dtype=torch.int64)
+    want = whole(x, weights, ids, "torch", stats)
+    for groups, parts in ((1, 2), (2, 1), (2, 2)):
+        got = sum(GroupQuantExperts(whole.sliced(g_ * 8 // groups, 8 // groups, p, parts),
+                                    g_ * 8 // groups, 8 // groups, 8)(x, weights, ids, "torch",
+                                                                      stats)
+                  for g_ in range(groups) for p in range(parts))
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ConfigError, match="whole 16-column scale groups"):
+        whole.sliced(0, 8, 0, 4)  # 32 / 4 = 8 columns: half a scale group
+    int4_all = int4_checkpoint(deepseek_pair[0], tmp_path / "all", group=8, ignore=["lm_head"])
+    layer = load_model(int4_all, ModelConfig.from_pretrained(int4_all), torch.float32,
+                       "cpu").model.layers[1]
+    with pytest.raises(ConfigError, match="not a quantized Int4Linear"):
+        shard_layer(layer, ParallelState(0, 2, 1, None))
