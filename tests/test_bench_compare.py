@@ -142,13 +142,7 @@ def test_synthetic_acceptance_for_an_acceptance_length():
 
 
 def _kimi_script():
-    import importlib.util
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "kimi_compare.py"
-    spec = importlib.util.spec_from_file_location("kimi_compare", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return _script("kimi_compare")
 
 
 def test_kimi_shapes_and_the_bytes_model(tmp_path):
@@ -213,3 +207,46 @@ def test_kimi_compare_plans_every_layout_and_acceptance(tmp_path, monkeypatch):
     assert head["a0.86"]["dflash_c1_vs_best_ar"] == 3.0 and head["a0.86"]["c1_block"] == 4
     assert head["a0.86"]["min_ratio_vs_best_ar"] == 1.0
     assert head["a0.86"]["bytes_model_c1"] == pytest.approx(mod.bytes_model_c1(3.2, 4))
+
+
+def _script(name: str):
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_two_gpu_plans_its_layouts_and_its_headline(tmp_path, monkeypatch):
+    """Issue 24's script, its engine runs stubbed (they are tests/test_parallel.py's and the
+    compare test's): Qwen3 tp1/tp2 and Moonlight tp2/ep2, each AR and DFlash; the headline is
+    tp2's batch-1 TPOT over tp1's and the least DFlash / AR of a parallel layout."""
+    mod = _script("two_gpu")
+    plans = []
+
+    def fake_run_configs(plan, common, out):
+        plans.append([n for n, _, _ in plan])
+        tpot = {"tp1_ar": 10.0, "tp2_ar": 6.0}
+        results = {}
+        for name, label, _ in plan:
+            tok = {1: 300.0, 8: 900.0} if name.endswith("_dflash") else {1: 100.0, 8: 1000.0}
+            results[name] = _result(label, tok)
+            results[name]["levels"][0]["tpot_ms"] = {"median": tpot.get(name, 5.0)}
+        return results, []
+
+    monkeypatch.setattr(mod, "run_configs", fake_run_configs)
+    monkeypatch.setattr(mod, "correctness", lambda root, device: {
+        "qwen3": {"all_equal": True}, "deepseek_v3": {"all_equal": True}})
+    monkeypatch.setattr(mod, "allreduce_times", lambda *a, **k: {1: 10.0})
+    assert mod.main(["--out-dir", str(tmp_path), "--smoke"]) == 0
+    assert plans == [["tp1_ar", "tp1_dflash", "tp2_ar", "tp2_dflash"],
+                     ["tp2_ar", "tp2_dflash", "ep2_ar", "ep2_dflash"]]
+    res = json.loads((tmp_path / "two_gpu.json").read_text())
+    assert res["headline"]["tp2_ar_b1_step_ratio"] == pytest.approx(0.6)
+    assert res["headline"]["tp2_adaptive_min_ratio_vs_ar"] == pytest.approx(0.9)
+    assert res["scaling"]["dflash_over_ar"]["moonlight_ep2"] == {"1": 3.0, "8": 0.9}
+    monkeypatch.setattr(mod, "correctness", lambda root, device: {
+        "qwen3": {"all_equal": False}, "deepseek_v3": {"all_equal": True}})
+    assert mod.main(["--out-dir", str(tmp_path), "--smoke", "--skip-scaling"]) == 1
