@@ -137,7 +137,8 @@ def args_config(args: Any) -> dict[str, Any]:
     """The parsed command line as JSON-safe values, secrets redacted."""
     out: dict[str, Any] = {}
     for key, value in vars(args).items():
-        if callable(value):
+        # NOTE: "argv" is the raw command line (secrets included); `command` holds it redacted
+        if callable(value) or key == "argv":
             continue
         if key in _SECRET_ARGS and value:
             value = REDACTED
