@@ -22,10 +22,11 @@ from pathlib import Path
 from blockspec.bench.common import environment, recorded_command
 from blockspec.bench.compare import (
     acceptance_for_length,
-    comparison,
+    best_plain,
     configs,
     parse_layouts,
     run_configs,
+    write_comparison,
 )
 from blockspec.bench.moe_shapes import (
     KIMI_DRAFTER,
@@ -33,7 +34,7 @@ from blockspec.bench.moe_shapes import (
     kimi_k26,
     write_moe_folders,
 )
-from blockspec.bench.report import _levels, plot_sweep
+from blockspec.bench.report import _levels
 
 DEPLOYMENT_TAU = 3.8
 # DESIGN.md, "MoE targets": Kimi K2.6's bytes per step outside the routed experts (bf16) and
@@ -69,9 +70,7 @@ def chosen_block(level: dict) -> int:
 def headline(results: dict, acceptances: list[float]) -> dict:
     """Per acceptance: DFlash's best layout over the best AR at C=1, its minimum over C, and the
     bytes model's C=1 prediction for the block it chose."""
-    ar = [r for n, r in results.items() if n.endswith("_ar")]
-    best = {c: max(_levels(r)[c]["output_tok_s"] for r in ar if c in _levels(r))
-            for c in sorted({c for r in ar for c in _levels(r)})}
+    best = {c: tok for c, (tok, _) in sorted(best_plain(results).items())}
     out = {}
     for a in acceptances:
         spec = [r for n, r in results.items() if n.endswith(f"_a{a:g}")]
@@ -126,11 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     if not results:
         print("every config failed", file=sys.stderr)
         return 1
-    text = comparison(results)
-    print(text)
-    (out / "compare.md").write_text(text)
-    plot_sweep(list(results.values()), [r["label"] for r in results.values()],
-               out / "compare.png")
+    print(write_comparison(results, out))
     summary = {"benchmark": "kimi_compare", "command": recorded_command(
         "benchmarks/kimi_compare.py"), "environment": environment(), "smoke": a.smoke,
         "acceptances": accs, "failed": failed, "headline": headline(results, accs)}

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import os
 import random
 import subprocess
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -184,3 +186,12 @@ class NanEmptyTorch:
     def empty(*args, **kw):
         t = torch.empty(*args, **kw)
         return t.fill_(float("nan")) if t.is_floating_point() else t
+
+
+def load_script(name: str):
+    """benchmarks/NAME.py as a module (the scripts are not a package)."""
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+from helpers import load_script
 
 from blockspec.bench.compare import (
     comparison,
@@ -140,7 +141,7 @@ def test_synthetic_acceptance_for_an_acceptance_length():
 
 
 def _kimi_script():
-    return _script("kimi_compare")
+    return load_script("kimi_compare")
 
 
 def test_kimi_shapes_and_the_bytes_model(tmp_path):
@@ -207,21 +208,11 @@ def test_kimi_compare_plans_every_layout_and_acceptance(tmp_path, monkeypatch):
     assert head["a0.86"]["bytes_model_c1"] == pytest.approx(mod.bytes_model_c1(3.2, 4))
 
 
-def _script(name: str):
-    import importlib.util
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_two_gpu_plans_its_layouts_and_its_headline(tmp_path, monkeypatch):
     """Issue 24's script, its engine runs stubbed (they are tests/test_parallel.py's and the
     compare test's): Qwen3 tp1/tp2 and Moonlight tp2/ep2, each AR and DFlash; the headline is
     tp2's batch-1 TPOT over tp1's and the least DFlash / AR of a parallel layout."""
-    mod = _script("two_gpu")
+    mod = load_script("two_gpu")
     plans = []
 
     def fake_run_configs(plan, common, out):

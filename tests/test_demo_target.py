@@ -3,22 +3,19 @@
 from __future__ import annotations
 
 import email.message
-import importlib.util
 import json
 import sysconfig
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import PagedCache
+from helpers import PagedCache, load_script
 from safetensors import safe_open
 
 from blockspec import LLM, SamplingParams
 from blockspec.config import ModelConfig
 from blockspec.models.loader import load_model
 from blockspec.train import corpus, target, tokenizer
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -220,13 +217,6 @@ def test_time_budget_ends_training(corpus_dir, tok_dir, tmp_path):
 
 
 # -- one-command build -----------------------------------------------------------------------------
-
-def load_script(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
 
 @pytest.fixture(scope="module")
 def smoke_pair(tmp_path_factory, one_thread):

@@ -24,7 +24,7 @@ from blockspec.config import ConfigError
 from blockspec.parallel.launch import layout_label
 
 __all__ = ["Layout", "acceptance_for_length", "acceptance_length", "comparison", "configs",
-           "offline_argv", "parse_layouts", "run_compare", "run_configs"]
+           "offline_argv", "parse_layouts", "run_compare", "run_configs", "write_comparison"]
 
 COLUMNS = (1, 32, 64, 128)
 
@@ -156,6 +156,16 @@ def comparison(results: dict[str, dict[str, Any]]) -> str:
     return "\n".join(parts) + "\n"
 
 
+def write_comparison(results: dict[str, dict[str, Any]], out: Path) -> str:
+    """`comparison(results)` into out/compare.md and its plot into out/compare.png; returns
+    the table."""
+    text = comparison(results)
+    (out / "compare.md").write_text(text)
+    plot_sweep(list(results.values()), [r["label"] for r in results.values()],
+               out / "compare.png")
+    return text
+
+
 def run_configs(plan: list[tuple[str, str, list[str]]], passthrough: list[str], out: Path
                 ) -> tuple[dict[str, dict[str, Any]], list[str]]:
     """Each config's `bench offline` in its own process: (results by name, failed labels)."""
@@ -184,11 +194,7 @@ def run_compare(args: argparse.Namespace) -> int:
     results, failed = run_configs(plan, offline_argv(list(args.argv)), out)
     if not results:
         raise ConfigError(f"every config failed: {', '.join(failed)}")
-    text = comparison(results)
-    print("\n" + text, end="")
-    (out / "compare.md").write_text(text)
-    plot_sweep(list(results.values()), [r["label"] for r in results.values()],
-               out / "compare.png")
+    print("\n" + write_comparison(results, out), end="")
     summary = {"benchmark": "compare", "command": shlex.join(["blockspec",
                                                               *redact_argv(args.argv)]),
                "environment": environment(), "layouts": [lay.name for lay in layouts],
