@@ -105,7 +105,7 @@ class Scheduler:
             decoding = left.count(1)
             pending = sum(n for n in left if n > 1) \
                 + sum(s.num_tokens - s.num_computed_tokens for s in self.waiting)
-            decode_tokens = decoding * (1 + min(self.num_lookahead_slots, budget_lookahead))
+            decode_tokens = decoding * self._decode_cost(budget_lookahead)
             prefill = decode_prefill_budget(self.decode_step_prefill_tokens, decoding, budget,
                                             pending, decode_tokens, self.step_token_buckets)
         budget, prefill = self._schedule_running(out, budget, prefill, budget_lookahead)
@@ -161,13 +161,17 @@ class Scheduler:
             bm.allocate(s, in_flight + block_len)
         return True
 
+    def _decode_cost(self, budget_lookahead: int) -> int:
+        """Step-budget tokens a decoding sequence counts: its token and the lookahead."""
+        return 1 + min(self.num_lookahead_slots, budget_lookahead)
+
     def _schedule_running(self, out: SchedulerOutput, budget: int, prefill: int,
                           budget_lookahead: int) -> tuple[int, int]:
         """Running sequences, oldest first, into `out` (preempting the newest when the cache is
         full); returns the (step, prefill) budgets left."""
         bm, block_size = self.block_manager, self.block_manager.block_size
         decode_slots = 1 + self.num_lookahead_slots
-        decode_cost = 1 + min(self.num_lookahead_slots, budget_lookahead)
+        decode_cost = self._decode_cost(budget_lookahead)
         i = 0
         # NOTE: the loop runs for every running sequence every step: its decode case is inlined
         # (lookahead(), num_blocks_needed()), the host's share of a large batch's step.
