@@ -5,6 +5,7 @@ diagnostics only (`blockspec bench offline --step-trace`); nothing here runs whi
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -71,9 +72,10 @@ class StepTrace:
     def summary(self) -> dict[str, Any]:
         """The slow gaps grouped by what ran inside them, and the raw steps."""
         slow = [(a, b) for a, b in self.gaps if 1e3 * (b - a) > self.threshold_ms]
+        ends = [s.end for s in self.steps]  # NOTE: ascending: steps are recorded in order
         groups: Counter[str] = Counter()
         for a, b in slow:
-            inside = [s for s in self.steps if a < s.end <= b]
+            inside = self.steps[bisect_right(ends, a):bisect_right(ends, b)]
             groups[" + ".join(self._label(s) for s in inside) or "(no step)"] += 1
         t0 = self.steps[0].end - self.steps[0].ms / 1e3 if self.steps else 0.0
         return {
