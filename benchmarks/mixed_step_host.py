@@ -15,37 +15,14 @@ import time
 import numpy as np
 import torch
 
-from blockspec import SamplingParams
 from blockspec.bench.common import environment, recorded_command
+from blockspec.bench.mixed_profile import BLOCK, PROMPT, host_state
 from blockspec.engine.flat_batch import FlatBatch
-from blockspec.engine.flat_step import FlatBuffers, flat_buckets
-from blockspec.engine.kv_cache import BlockManager
-from blockspec.engine.scheduler import Scheduler
-from blockspec.engine.sequence import Sequence
-
-BLOCK, PROMPT = 8, 512
-
-
-def scheduler(decoding: int, waiting: int, seed: int = 0) -> tuple[Scheduler, BlockManager]:
-    """`decoding` sequences past their 512-token prompts, `waiting` new 512-token prompts."""
-    rng = np.random.default_rng(seed)
-    bm = BlockManager(8192, 16, enable_prefix_caching=False)
-    sched = Scheduler(bm, 256, 1 << 20, BLOCK - 1, None, flat_buckets(8192))
-    params = SamplingParams(max_tokens=256, ignore_eos=True)
-    for i in range(decoding):
-        sched.add(Sequence(f"d{i}", rng.integers(5, 1000, PROMPT).tolist(), params, 256))
-    out = sched.schedule()  # every prompt at once (a budget of 1M tokens)
-    for s, n in zip(out.seqs, out.num_new_tokens):
-        s.num_computed_tokens += n
-        s.output_token_ids.append(7)
-    sched.max_num_batched_tokens = 8192
-    for i in range(waiting):
-        sched.add(Sequence(f"w{i}", rng.integers(5, 1000, PROMPT).tolist(), params, 256))
-    return sched, bm
+from blockspec.engine.flat_step import FlatBuffers
 
 
 def time_once(decoding: int, waiting: int, bufs: FlatBuffers) -> tuple[float, ...]:
-    sched, bm = scheduler(decoding, waiting)
+    sched, bm = host_state(decoding, waiting)
     t0 = time.perf_counter()
     out = sched.schedule(budget_lookahead=BLOCK - 1)
     t1 = time.perf_counter()

@@ -64,8 +64,9 @@ def mixed_kinds(monkeypatch) -> set[tuple[bool, int, bool]]:
 
 
 def test_buckets():
-    assert flat_buckets(8192) == [32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048]
-    assert flat_buckets(600) == [32, 64, 128, 256, 384, 512, 600]
+    assert flat_buckets(8192) == [32, 64, 128, 256, 320, 384, 512, 640, 768, 1024, 1280, 1536,
+                                  2048]
+    assert flat_buckets(600) == [32, 64, 128, 256, 320, 384, 512, 600]
     assert flat_buckets(100) == [32, 64, 100]
     assert flat_buckets(16) == []
 

@@ -403,6 +403,27 @@ def test_decode_prefill_budget_rule():
     assert decode_prefill_budget(300, 27, 8192, 0, 216, buckets) == 300  # N is not rounded
 
 
+def test_mixed_load_is_what_the_auto_cap_prefills_beside_decodes():
+    """(decoding sequences, prompt tokens of the next step beside them before its bucket fill)
+    under the auto cap; (0, 0) with no cap, nothing decoding or nothing waiting."""
+    from blockspec.bench.mixed_profile import host_state
+
+    sched, _ = host_state(decoding=30, waiting=2)  # the auto cap (None)
+    assert sched.mixed_load() == (30, 512)
+    for cap in (0, 300):
+        sched.decode_step_prefill_tokens = cap
+        assert sched.mixed_load() == (0, 0)
+    sched.decode_step_prefill_tokens = None
+    sched.waiting.pop()
+    sched.waiting[0].num_computed_tokens = 400  # a prompt partly computed: its rest
+    assert sched.mixed_load() == (30, 112)
+    sched.waiting.clear()
+    assert sched.mixed_load() == (0, 0)
+    assert host_state(decoding=0, waiting=2)[0].mixed_load() == (0, 0)
+    sched, _ = host_state(decoding=64, waiting=40)  # a backlog: it drains within 16 steps
+    assert sched.mixed_load() == (64, 40 * 512 // 16)
+
+
 def test_prefill_beside_decodes_is_capped_and_decodes_still_run():
     """With sequences decoding, prefill chunks (a running partial prefill and new admissions)
     share the decode-step prefill budget; a partial prefill that gets none waits while the

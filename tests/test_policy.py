@@ -418,3 +418,33 @@ def test_live_overhead_moves_the_choice_like_the_h200_measurements():
     assert policy.choose(256, iid_tracker(0.86)) == 8
     overhead.observe(256, 8, cm.cost(256, 8), cm.cost(256, 8) + 0.012)
     assert policy.choose(256, iid_tracker(0.86)) == 1
+
+
+def test_a_mixed_steps_block_is_cut_to_what_fits_beside_its_chunk():
+    """policy/mixed_block.py on the H200's measured 8B-shape costs (mixed_step_profile): beside
+    a 512-token prompt chunk, 30 streams' blocks of 8 (+6.0 ms over a plain step) go, blocks
+    of 4 (+2.4 ms) stay; a small batch's block 16 stays; a host-bound model's short steps are
+    never cut; no chunk, no cut; nothing fits: plain decode."""
+    from blockspec.policy.mixed_block import MIXED_VERIFY_SHARE, mixed_block_len
+
+    lens = [2, 4, 8, 16]
+    # ms at batch 8 and 32, and a 4096-token step setting the cheapest token (23 us)
+    h200 = StepCostModel({1: {8: 5.6e-3, 32: 6.3e-3, 256: 14.4e-3},
+                          2: {8: 5.9e-3, 32: 7.3e-3, 256: 25e-3},
+                          4: {8: 6.2e-3, 32: 8.7e-3, 256: 45e-3},
+                          8: {8: 6.6e-3, 32: 12.3e-3, 256: 75e-3},
+                          16: {8: 7.6e-3, 32: 18.4e-3, 256: 94.2e-3}})
+    assert h200.min_token_cost() == pytest.approx(23e-6, rel=0.01)
+    assert mixed_block_len(h200, 32, 8, lens, 512) == 4
+    assert mixed_block_len(h200, 32, 16, lens, 512) == 4
+    assert mixed_block_len(h200, 32, 2, lens, 512) == 2
+    assert mixed_block_len(h200, 8, 16, lens, 512) == 16
+    assert mixed_block_len(h200, 32, 8, lens, 0) == 8
+    assert mixed_block_len(h200, 32, 1, lens, 512) == 1
+    assert mixed_block_len(h200, 32, 16, lens, 16) == 4  # a step of under 10 ms is not cut
+    assert mixed_block_len(h200, 256, 16, lens, 16) == 1  # a tiny chunk: nothing fits
+    # a bigger chunk carries a longer block: the verify's share of the step is what is bounded
+    assert mixed_block_len(h200, 32, 16, lens, 2048) == 8
+    assert 12.3 - 6.3 <= MIXED_VERIFY_SHARE * 2048 * 23e-3
+    tiny = StepCostModel({L: {1: 2e-4 * L, 256: 1e-3 * L} for L in [1, *lens]})
+    assert mixed_block_len(tiny, 32, 16, lens, 512) == 16

@@ -19,6 +19,7 @@ from helpers import (
 from spec_models import build_constant_pair
 
 from blockspec import LLM, ConfigError, SamplingParams
+from blockspec.policy.mixed_block import mixed_block_len
 from blockspec.policy.policy import AcceptanceTracker, SpeculationPolicy, StepCostModel
 
 GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
@@ -128,6 +129,43 @@ def test_token_budget_follows_the_policys_last_choice(qwen3_path, drafter, promp
     assert any(L < chosen for L, _, chosen in mixed)  # a speculative choice cut to the budget
     # After a plain choice, prefill chunks get what 16-token blocks would have reserved.
     assert any(p + d > 64 - 15 * d for p, d, _, b, _ in steps if p and d and b == 1)
+    assert_no_leaks(llm)
+
+
+def test_a_mixed_step_cuts_its_block_beside_a_prompt_chunk(qwen3_path, drafter, prompts,
+                                                          ar_ref):
+    """With the auto prefill cap, a step that prefills beside decodes verifies the longest block
+    whose extra cost fits beside its chunk (policy/mixed_block.py), budgeted so by the
+    scheduler; all-decode steps keep the policy's choice; output stays the target's."""
+    llm = spec_llm(qwen3_path, drafter, decode_step_prefill_tokens="auto", max_num_seqs=4)
+    r = llm.engine.runner
+    cost = flat_costs({1: 6.0, 2: 6.1, 4: 8.0, 8: 11.0, 16: 18.0})
+    r.set_cost_model(cost)
+    force_cycle(llm, [16])
+    execute, schedule, steps, load = r.execute, llm.engine.scheduler.schedule, [], [(0, 0)]
+
+    def scheduled(*a, **kw):
+        load[0] = llm.engine.scheduler.mixed_load()  # what the step's budget was set from
+        return schedule(*a, **kw)
+
+    def spy(seqs, num_new_tokens, *rest):
+        res = execute(seqs, num_new_tokens, *rest)
+        decoding = sum(n == 1 for n in num_new_tokens)
+        steps.append((load[0], decoding, len(seqs) - decoding, res.block_len,
+                      r.planner.budget_block_len))
+        return res
+
+    llm.engine.scheduler.schedule, r.execute = scheduled, spy
+    # NOTE: lengths apart, so requests finish (and the next arrive) beside decoding ones
+    params = [SamplingParams(temperature=0, max_tokens=6 + 3 * (i % 7), ignore_eos=True)
+              for i in range(len(prompts))]
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [ref[:p.max_tokens] for ref, p in zip(ar_ref, params)]
+    mixed = [(ld, L, b) for ld, d, p, L, b in steps if d and p]
+    assert mixed and all(b == mixed_block_len(cost, ld[0], 16, [2, 4, 8, 16], ld[1])
+                         for ld, _, b in mixed)
+    assert all(L <= b < 16 for _, L, b in mixed)  # every chunk here is small: always cut
+    assert any(L == 16 for _, d, p, L, _ in steps if d and not p)
     assert_no_leaks(llm)
 
 

@@ -42,12 +42,13 @@ def short_query_len(width: int) -> int:
 
 
 def flat_buckets(max_num_batched_tokens: int) -> list[int]:
-    """Token counts that get a graph: powers of two, and from 256 up also 1.5 x each (a replay
-    computes its whole bucket), up to the step's token budget."""
+    """Token counts that get a graph: powers of two, and from 256 up also 1.25 and 1.5 x each
+    (a replay computes its whole bucket; a mixed step of 30 blocks of 4 beside a 512-token
+    prompt fills 640), up to the step's token budget."""
     cap = min(max_num_batched_tokens, MAX_FLAT_BUCKET)
     out, t = [], MIN_FLAT_BUCKET
     while t < cap:
-        out += [t] if t < 256 else [t, t * 3 // 2]
+        out += [t] if t < 256 else [t, t * 5 // 4, t * 3 // 2]
         t *= 2
     out = [b for b in out if b < cap]
     return [*out, cap] if cap >= MIN_FLAT_BUCKET else []
@@ -106,6 +107,22 @@ class FlatBuffers:
         dst.copy_(torch.from_numpy(full), non_blocking=True)
 
 
+def flat_metadata(bufs: FlatBuffers, t: int, s: int, short: int,
+                  max_seq_len: int) -> AttentionMetadata:
+    """Attention metadata of the first `t` tokens and `s` lanes of the buffers, computed on the
+    device from them (so a graph replays it for any batch the buffers hold)."""
+    cu = bufs.cu_seqlens_q[:s + 1]
+    rows = torch.arange(t, device=bufs.input_ids.device)
+    # NOTE: a graph's padding tokens (past the batch's) fall in its last lane, which holds no
+    # sequence: a lane of no keys whose rows nobody reads.
+    seq_idx = torch.searchsorted(cu[1:], rows.to(cu.dtype), right=True).clamp(max=s - 1)
+    return AttentionMetadata(
+        slot_mapping=bufs.slot_mapping[:t], cu_seqlens_q=cu, seq_lens=bufs.seq_lens[:s],
+        block_tables=bufs.block_tables[:s], max_query_len=t, max_seq_len=max_seq_len,
+        token_seq_idx=seq_idx, token_q_idx=(rows - cu[seq_idx]).clamp(min=0),
+        flat_grid=True, short_query_len=short)
+
+
 class FlatStep:
     """Target forward over the first `t` tokens and `s` lanes of the buffers, then the drafter
     context of those tokens (at `context_slots`). Returns the final hidden states [t, H].
@@ -116,17 +133,7 @@ class FlatStep:
         self.model, self.proposer, self.max_seq_len = model, proposer, max_seq_len
 
     def __call__(self, bufs: FlatBuffers, t: int, s: int, short: int) -> torch.Tensor:
-        dev = bufs.input_ids.device
-        cu = bufs.cu_seqlens_q[:s + 1]
-        rows = torch.arange(t, device=dev)
-        # NOTE: a graph's padding tokens (past the batch's) fall in its last lane, which holds
-        # no sequence: a lane of no keys whose rows nobody reads.
-        seq_idx = torch.searchsorted(cu[1:], rows.to(cu.dtype), right=True).clamp(max=s - 1)
-        meta = AttentionMetadata(
-            slot_mapping=bufs.slot_mapping[:t], cu_seqlens_q=cu, seq_lens=bufs.seq_lens[:s],
-            block_tables=bufs.block_tables[:s], max_query_len=t, max_seq_len=self.max_seq_len,
-            token_seq_idx=seq_idx, token_q_idx=(rows - cu[seq_idx]).clamp(min=0),
-            flat_grid=True, short_query_len=short)
+        meta = flat_metadata(bufs, t, s, short, self.max_seq_len)
         positions = bufs.positions[:t]
         tap_ids = self.proposer.target_layer_ids if self.proposer is not None else ()
         hidden, taps = self.model(bufs.input_ids[:t], positions, meta, tap_ids)

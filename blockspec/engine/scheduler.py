@@ -101,10 +101,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         prefill = budget  # NOTE: prefill chunks beside decodes delay every stream
         if self.decode_step_prefill_tokens != 0:
-            left = [s.num_tokens - s.num_computed_tokens for s in self.running]
-            decoding = left.count(1)
-            pending = sum(n for n in left if n > 1) \
-                + sum(s.num_tokens - s.num_computed_tokens for s in self.waiting)
+            decoding, pending = self._load()
             decode_tokens = decoding * self._decode_cost(budget_lookahead)
             prefill = decode_prefill_budget(self.decode_step_prefill_tokens, decoding, budget,
                                             pending, decode_tokens, self.step_token_buckets)
@@ -113,6 +110,25 @@ class Scheduler:
         if not out.num_preempted:
             self._admit_waiting(out, budget, prefill)
         return out
+
+    def mixed_load(self) -> tuple[int, int]:
+        """(decoding sequences, prompt tokens the next step takes beside them) where the auto
+        prefill cap shapes that step (before its graph bucket is filled: the block length is
+        not chosen yet), else (0, 0): nothing prefills beside a decode, or the cap is not auto."""
+        if self.decode_step_prefill_tokens is not None:
+            return 0, 0
+        decoding, pending = self._load()
+        if not decoding or not pending:
+            return 0, 0
+        cap = decode_prefill_budget(None, decoding, self.max_num_batched_tokens, pending)
+        return decoding, min(cap, pending)
+
+    def _load(self) -> tuple[int, int]:
+        """(decoding sequences, prompt tokens left to prefill, running and waiting)."""
+        left = [s.num_tokens - s.num_computed_tokens for s in self.running]
+        pending = sum(n for n in left if n > 1) \
+            + sum(s.num_tokens - s.num_computed_tokens for s in self.waiting)
+        return left.count(1), pending
 
     def schedule_ahead(self, max_model_len: int) -> list[Sequence] | None:
         """The next plain-decode step of every running sequence, scheduled before the tokens of

@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from blockspec.config import ConfigError, EngineConfig
+from blockspec.policy.mixed_block import mixed_block_len
 from blockspec.policy.policy import (
     AcceptanceTracker,
     SpeculationPolicy,
@@ -137,6 +138,14 @@ class SpecController:
             return self.fixed_len
         return self.policy.choose(self._bucket(num_decoding), self.tracker, ctx.drain,
                                   ctx.switch_cost)
+
+    def mixed_block_len(self, num_decoding: int, block_len: int, prefill_tokens: int) -> int:
+        """The block of a step that prefills `prefill_tokens` prompt tokens beside
+        `num_decoding` decoding sequences (policy/mixed_block.py); a fixed block is not cut."""
+        if self.policy is None or self.cost_model is None:
+            return block_len
+        return mixed_block_len(self.cost_model, self._bucket(num_decoding), block_len,
+                               self.block_lens, prefill_tokens)
 
     def observe(self, block_len: int, drafted: Sequence[int], accepted: Sequence[int]) -> None:
         if block_len > 1:

@@ -88,12 +88,17 @@ class StepPlanner:
             return "spec" if complete else None
         return "plain" if lazy is not None and lazy.detached else None
 
-    def next_budget_lookahead(self) -> int:
+    def next_budget_lookahead(self, num_decoding: int = 0, prefill_tokens: int = 0) -> int:
         """Lookahead tokens per decoding sequence for the next step's token budget (the
         scheduler's budget_lookahead): the policy's last choice - 1, since a policy that just
-        chose plain decode will likely again, and a prefill chunk then keeps the tokens."""
-        self.budget_block_len = self.last_block_len
-        return self.last_block_len - 1
+        chose plain decode will likely again, and a prefill chunk then keeps the tokens; where
+        the step takes `prefill_tokens` prompt tokens beside `num_decoding` decoding sequences
+        (Scheduler.mixed_load), that choice cut for a mixed step (SpecController)."""
+        L = self.last_block_len
+        if self.controller is not None and num_decoding and prefill_tokens:
+            L = self.controller.mixed_block_len(num_decoding, L, prefill_tokens)
+        self.budget_block_len = L
+        return L - 1
 
     def _choose(self, seqs: list[Sequence], decoding: list[bool], ctx: StepContext) -> int:
         """The policy's choice at the batch it prices (the load, while the lazy context is

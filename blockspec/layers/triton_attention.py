@@ -172,7 +172,11 @@ class TritonAttentionBackend:
         group = num_heads // num_kv_heads
         block_m = self.block_m(max_q, group)
         block_q = block_m // group
-        flat = self.flat_grid or meta.flat_grid
+        # NOTE: queries of split size or less (the short launch) take one tile per lane: the
+        # flat grid (its idle programs, each one's search for its sequence) cost them 12 us a
+        # layer (H200, a mixed step's 30 verify blocks beside a prompt chunk: 42 against 30
+        # us; docs/benchmarks.md).
+        flat = (self.flat_grid or meta.flat_grid) and max_q > SPLIT_MAX_QUERY_LEN
         # Axes 0 and 1 of the grid: (every sequence's tiles in turn, 1) or (sequence, tile).
         tiles = (triton.cdiv(num_tokens, block_q) + num_seqs, 1) if flat \
             else (num_seqs, triton.cdiv(max_q, block_q))
