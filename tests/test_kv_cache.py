@@ -386,8 +386,13 @@ def test_decode_prefill_budget_rule():
     assert decode_prefill_budget(None, 1, 8192) == 512
     assert decode_prefill_budget(None, 32, 8192) == 512
     assert decode_prefill_budget(None, 64, 8192) == 768
-    assert decode_prefill_budget(None, 256, 8192) == 3072
+    assert decode_prefill_budget(None, 85, 8192) == 1020
+    # past MAX_STEP (1024) tokens of decodes and the floor or per-decode term: no cap
+    assert decode_prefill_budget(None, 86, 8192) == 8192
+    assert decode_prefill_budget(None, 256, 8192) == 8192
     assert decode_prefill_budget(None, 256, 2048) == 2048
+    assert decode_prefill_budget(None, 32, 8192, 0, 32 * 16 + 1) == 8192
+    assert decode_prefill_budget(None, 32, 8192, 0, 32 * 16) == 512
     assert decode_prefill_budget(0, 32, 8192) == 8192
     assert decode_prefill_budget(100, 32, 8192) == 100
     # a backlog drains within 16 steps: the budget grows with it; N holds
@@ -399,7 +404,7 @@ def test_decode_prefill_budget_rule():
     buckets = [256, 512, 768, 1024, 2048]
     assert decode_prefill_budget(None, 27, 8192, 0, 216, buckets) == 768 - 216
     assert decode_prefill_budget(None, 32, 8192, 0, 256, buckets) == 512
-    assert decode_prefill_budget(None, 200, 8192, 0, 1600, buckets) == 2400  # past the buckets
+    assert decode_prefill_budget(None, 40, 8192, 10 ** 5, 320, buckets) == 6250  # past them
     assert decode_prefill_budget(300, 27, 8192, 0, 216, buckets) == 300  # N is not rounded
 
 

@@ -40,7 +40,13 @@ class SchedulerOutput:
 # verify blocks of 8 makes the 768-token bucket, a mixed step of ~2.5 decode steps on the 8B
 # shape (docs/benchmarks.md, "Closed loop"); the backlog term replaces a cliff (the whole step
 # budget beside every stream) with steps that grow with the queue.
+# NOTE: the cap holds only where its step (decodes + FLOOR or PER_DECODE's term) fits MAX_STEP
+# tokens, up to ~80 decoding sequences; past it the step prefills as a plain engine's does:
+# there a decode step already takes over 10 ms, and a large eager chunk prefills ~10% cheaper
+# per token than 2048-token graphs (a=0.6, C=128 / 256 on the 8B shape: the capped engine ran
+# 0.98x / 0.95x AR, its mixed steps 25-27 us a token against AR's 23; docs/benchmarks.md).
 DECODE_PREFILL_FLOOR, DECODE_PREFILL_PER_DECODE, DECODE_PREFILL_DRAIN_STEPS = 512, 12, 16
+DECODE_PREFILL_MAX_STEP = 1024
 
 
 def decode_prefill_budget(setting: int | None, num_decoding: int, step_budget: int,
@@ -49,12 +55,15 @@ def decode_prefill_budget(setting: int | None, num_decoding: int, step_budget: i
     """Prefill tokens a step may take beside `num_decoding` decoding sequences (computing
     `decode_tokens` tokens) while `pending_prefill_tokens` prompt tokens wait. `setting`:
     EngineConfig.decode_step_prefill_tokens (0: no cap, N: at most N, None: the "auto" rule
-    above); `buckets`: the token counts mixed steps are padded to (ascending; none: eager)."""
+    above, no cap past MAX_STEP); `buckets`: the token counts mixed steps are padded to
+    (ascending; none: eager)."""
     if not num_decoding or setting == 0:
         return step_budget
     if setting is None:
-        setting = max(DECODE_PREFILL_FLOOR, DECODE_PREFILL_PER_DECODE * num_decoding,
-                      -(-pending_prefill_tokens // DECODE_PREFILL_DRAIN_STEPS))
+        setting = max(DECODE_PREFILL_FLOOR, DECODE_PREFILL_PER_DECODE * num_decoding)
+        if decode_tokens + setting > DECODE_PREFILL_MAX_STEP:
+            return step_budget
+        setting = max(setting, -(-pending_prefill_tokens // DECODE_PREFILL_DRAIN_STEPS))
         total = decode_tokens + setting
         setting = next((b for b in buckets if b >= total), total) - decode_tokens
     return min(setting, step_budget)
