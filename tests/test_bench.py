@@ -204,18 +204,7 @@ OFFLINE_ARGS = ["--device", "cpu", "--num-kv-blocks", "256", "--input-len", "12"
                 "--output-len", "6", "--ignore-eos", "--warmup-tokens", "2"]
 
 
-def test_bench_offline_end_to_end(qwen3_path, tmp_path, capsys, monkeypatch):
-    import gc
-
-    from blockspec.bench import offline
-
-    frozen, run = [], offline.run_requests
-
-    def counted(*a, **kw):  # NOTE: the heap is frozen around each timed level only
-        frozen.append((a[4], gc.get_freeze_count() > 0))
-        return run(*a, **kw)
-
-    monkeypatch.setattr(offline, "run_requests", counted)
+def test_bench_offline_end_to_end(qwen3_path, tmp_path, capsys):
     out = tmp_path / "ar.json"
     rc, stdout, err = run_cli(["offline", "--model", str(qwen3_path), "--concurrency", "2,1",
                                "--num-prompts", "3", *OFFLINE_ARGS, "--step-trace",
@@ -244,9 +233,6 @@ def test_bench_offline_end_to_end(qwen3_path, tmp_path, capsys, monkeypatch):
         assert mix["decode/1"]["steps"] >= 4 and mix["decode/1"]["ms_per_step"] > 0
         assert sum(cell["time_share"] for cell in mix.values()) == pytest.approx(1, abs=1e-3)
     assert "| Config | C=1 | C=2 | Peak |" in stdout
-    assert [name for name, f in frozen if f] == ["c1", "c2"]
-    assert all(name.startswith("warmup") for name, f in frozen if not f)
-    assert gc.get_freeze_count() == 0
 
 
 def test_offline_keeps_exactly_c_in_flight(qwen3_path):

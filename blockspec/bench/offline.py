@@ -31,7 +31,6 @@ from blockspec.bench.stats import RequestRecord, acceptance_from_spec, summarize
 from blockspec.bench.step_trace import StepTrace
 from blockspec.config import ConfigError, EngineConfig
 from blockspec.dflash.metrics import SpecStats
-from blockspec.engine.heap import frozen_heap
 from blockspec.engine.llm_engine import LLMEngine
 from blockspec.parallel.driver import make_engine
 from blockspec.parallel.launch import layout_label
@@ -245,9 +244,8 @@ def run_offline(args: argparse.Namespace, engine_kwargs: Callable[[argparse.Name
                          show=False)
         mix, context = engine.step_mix.copy(), context_counters(engine)
         trace = StepTrace() if args.step_trace else None
-        with frozen_heap():  # NOTE: no full collection of the engine's heap inside a level
-            records, duration, spec = run_requests(engine, prompts[start:start + n], params, c,
-                                                   f"c{c}", trace=trace)
+        records, duration, spec = run_requests(engine, prompts[start:start + n], params, c,
+                                               f"c{c}", trace=trace)
         start += n
         level = summarize_level(c, records, duration)
         level["acceptance"] = acceptance_from_spec(spec)

@@ -52,7 +52,6 @@ def _serve_with_shared_helpers(args: argparse.Namespace) -> int:
 
 def cmd_serve(args: argparse.Namespace, engine_kwargs: Callable[[argparse.Namespace], dict],
               resolve_model: Callable[[argparse.Namespace], str]) -> int:
-    from blockspec.engine.heap import frozen_heap
     from blockspec.parallel.driver import make_engine
     from blockspec.server.api import build_app
     from blockspec.server.runner import make_server
@@ -85,8 +84,7 @@ def cmd_serve(args: argparse.Namespace, engine_kwargs: Callable[[argparse.Namesp
     engine_thread = app.state.engine
     threading.Thread(target=_exit_when_engine_dies, args=(engine_thread, server), daemon=True,
                      name="blockspec-watchdog").start()
-    with frozen_heap():
-        server.run()
+    server.run()
     if engine_thread.error is not None:
         # NOTE: non-zero, so a supervisor restarts a server whose engine can no longer serve
         print(f"blockspec: error: the engine failed: {type(engine_thread.error).__name__}: "
