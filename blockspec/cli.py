@@ -45,8 +45,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="cap on the prefill tokens of a step that also decodes, which delay "
                         "every running stream (0: no cap; auto: at least 512 and 12 per "
                         "decoding sequence, more while a backlog of prompts waits, the step's "
-                        "graph bucket filled; default: auto for a speculative engine on CUDA, "
-                        "else 0)")
+                        "graph bucket filled, the verify block beside it cut to what the step "
+                        "costs allow, no cap past ~80 decoding sequences; default: auto for a "
+                        "speculative engine on CUDA, else 0)")
     g.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="schedule and launch each decode step while the previous one runs: "
                         "plain and whole-block speculative steps of greedy batches without "

@@ -34,8 +34,9 @@ class EngineConfig:
     # Prefill tokens of a step that also decodes (they delay every running stream): 0 only
     # max_num_batched_tokens bounds them; N at most N; "auto" the scheduler's rule (at least
     # 512 and 12 per decoding sequence, more while a backlog waits, the step's graph bucket
-    # filled: engine/scheduler.py); None, the default: "auto" for a speculative engine on
-    # CUDA, 0 otherwise (measured: docs/benchmarks.md, "Closed loop").
+    # filled, none past ~80 decoding sequences: engine/scheduler.py; the block beside the chunk
+    # cut: policy/mixed_block.py); None, the default: "auto" for a speculative engine on CUDA,
+    # 0 otherwise (measured: docs/benchmarks.md, "Mixed steps").
     decode_step_prefill_tokens: int | str | None = None
     kv_block_size: int = 16
     kv_cache_memory_gb: float | None = None  # None: 1 GiB on CPU; on CUDA what is left of
