@@ -22,6 +22,8 @@ def compile_kernel_sm90(fn, constexprs: dict, pointers: dict, **options):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
+    if "USE_PDL" in fn.arg_names:  # a constexpr with a default: not a runtime argument
+        constexprs = {"USE_PDL": False, **constexprs}
     sig = {n: "constexpr" if n in constexprs else pointers.get(n, "i32") for n in fn.arg_names}
     return triton.compile(ASTSource(fn, sig, constexprs), target=GPUTarget("cuda", 90, 32),
                           options=options or None)
@@ -112,6 +114,26 @@ def compile_moe_decode() -> None:
             act_ptr="*bf16", ids_ptr="*i64", wts_ptr="*bf16", w_ptr=w, s_ptr=s,
             res_ptr="*bf16", out_ptr="*bf16"), num_warps=td.num_warps, enable_fp_fusion=True)
         assert "cubin" in kernel.asm
+        if fmt == md.INT4:  # int4 masked in place (MASK32)
+            kernel = compile_kernel_sm90(md._gate_up_act_kernel, dict(
+                common, MAGIC=md.MASK32, COUNT=True, S_PAD=8, BLOCK_N=tg.block_n,
+                BLOCK_K=tg.block_k), dict(x_ptr="*bf16", ids_ptr="*i64", w_ptr=w, s_ptr=s,
+                                          act_ptr="*bf16", stats_ptr="*i64"),
+                num_warps=tg.num_warps, enable_fp_fusion=True)
+            assert "cubin" in kernel.asm
+
+
+def compile_pdl() -> None:
+    """With USE_PDL the decode kernels carry the grid-dependency wait and trigger; without it,
+    neither (pdl.py)."""
+    import blockspec.layers.linear as lin
+
+    ptrs = dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16")
+    for on in (True, False):
+        ptx = compile_kernel_sm90(lin._gemv_kernel, dict(BLOCK_N=2, BLOCK_K=1024, USE_PDL=on),
+                                  ptrs, launch_pdl=on).asm["ptx"]
+        assert ("griddepcontrol.wait" in ptx) == on
+        assert ("griddepcontrol.launch_dependents" in ptx) == on
 
 
 def main() -> int:
@@ -181,6 +203,7 @@ def main() -> int:
             w_ptr="*bf16", q_out_ptr="*bf16", entry_ptr="*bf16", eps="fp32"),
             num_warps=4, enable_fp_fusion=False)
         assert "cubin" in kernel.asm
+    compile_pdl()
     print("compiled")
     return 0
 

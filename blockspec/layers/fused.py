@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from blockspec.layers.pdl import pdl_args, pdl_sync
+
 try:
     import triton
     import triton.language as tl
@@ -66,7 +68,9 @@ def _cast(x, dtype: tl.constexpr):
 
 @_jit
 def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, new_res_ptr, n_cols, x_stride, res_stride,
-                         eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+                         eps, HAS_RES: tl.constexpr, BLOCK: tl.constexpr,
+                         USE_PDL: tl.constexpr = False):
+    pdl_sync(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     dtype = x_ptr.dtype.element_ty
     offs = tl.arange(0, BLOCK)
@@ -97,7 +101,9 @@ def _add_rms_norm_kernel(x_ptr, res_ptr, w_ptr, y_ptr, new_res_ptr, n_cols, x_st
 
 
 @_jit
-def _silu_and_mul_kernel(gu_ptr, out_ptr, n_cols, gu_stride, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(gu_ptr, out_ptr, n_cols, gu_stride, BLOCK: tl.constexpr,
+                         USE_PDL: tl.constexpr = False):
+    pdl_sync(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n_cols
@@ -114,7 +120,9 @@ def _qk_norm_rope_store_kernel(
     qkv_ptr, pos_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr,
     slot_ptr, qkv_stride, cos_stride, num_q_heads, num_kv_heads, eps,
     HEAD_DIM: tl.constexpr, HALF_BLOCK: tl.constexpr, HAS_NORM: tl.constexpr,
+    USE_PDL: tl.constexpr = False,
 ):
+    pdl_sync(USE_PDL)
     # One program per (token, head); heads [0, Hq) are queries, [Hq, Hq + Hkv) are keys, and a
     # key program also moves the matching value head, so v costs no extra launch.
     tok = tl.program_id(0).to(tl.int64)
@@ -185,7 +193,8 @@ def _launch_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight:
         block, warps = _row_launch(n)
         _add_rms_norm_kernel[(x2.shape[0],)](
             x2, res2, weight, y, new_res, n, x2.stride(0), res2.stride(0), eps,
-            HAS_RES=residual is not None, BLOCK=block, num_warps=warps, enable_fp_fusion=False)
+            HAS_RES=residual is not None, BLOCK=block, num_warps=warps, enable_fp_fusion=False,
+            **pdl_args(x.device))
     return y, (new_res if residual is not None else None)
 
 
@@ -221,7 +230,8 @@ def silu_and_mul(gate_up: torch.Tensor, use_triton: bool | None = None) -> torch
     if gu.shape[0] > 0:
         block = min(triton.next_power_of_2(n), 1024)
         _silu_and_mul_kernel[(gu.shape[0], triton.cdiv(n, block))](
-            gu, out, n, gu.stride(0), BLOCK=block, num_warps=4, enable_fp_fusion=False)
+            gu, out, n, gu.stride(0), BLOCK=block, num_warps=4, enable_fp_fusion=False,
+            **pdl_args(gu.device))
     return out
 
 
@@ -284,7 +294,8 @@ def qk_norm_rope_store(
             qkv, positions, cos_cache, sin_cache, q_w, k_w, q_out, k_cache, v_cache, slot_mapping,
             qkv.stride(0), cos_cache.stride(0), num_heads, num_kv_heads, eps,
             HEAD_DIM=head_dim, HALF_BLOCK=half_block, HAS_NORM=has_norm,
-            num_warps=1 if half_block <= 64 else 2, enable_fp_fusion=False)
+            num_warps=1 if half_block <= 64 else 2, enable_fp_fusion=False,
+            **pdl_args(qkv.device))
     return q_out
 
 

@@ -25,15 +25,18 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from blockspec.layers.fused import _cast, _jit, tl, triton
+from blockspec.layers.pdl import pdl_args, pdl_sync
 
 SKINNY_MAX_M = 16  # one sequence's speculative step (block 16)
 SKINNY_MIN_N = 16384
 
 
 @_jit
-def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 USE_PDL: tl.constexpr = False):
     # y[n] = sum_k w[n, k] x[k]: one program per BLOCK_N output features, streaming their rows.
     # NOTE: K % BLOCK_K == 0 (the caller picks BLOCK_K): no column mask inside the loop.
+    pdl_sync(USE_PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
     base = w_ptr + rows[:, None].to(tl.int64) * K
@@ -49,9 +52,11 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.c
 
 @_jit
 def _skinny_kernel(x_ptr, w_ptr, y_ptr, M, N, K, x_stride, y_stride, BLOCK_M: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr):
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UPCAST: tl.constexpr,
+                   USE_PDL: tl.constexpr = False):
     # y[m, n] = sum_k x[m, k] w[n, k] for all M (<= BLOCK_M) rows at once: each weight tile is
     # read once whatever M is. Rows past M are masked (tensor-core tiles need 16 rows).
+    pdl_sync(USE_PDL)
     rows_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows_m = tl.arange(0, BLOCK_M)
     nmask, mmask = rows_n < N, rows_m < M
@@ -107,7 +112,8 @@ def skinny(x: torch.Tensor, w: torch.Tensor,
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     _skinny_kernel[(triton.cdiv(n, bn),)](
         x, w, y, m, n, k, x.stride(0), y.stride(0), BLOCK_M=16, BLOCK_N=bn, BLOCK_K=bk,
-        UPCAST=not x.is_cuda, num_warps=warps, num_stages=stages, enable_fp_fusion=False)
+        UPCAST=not x.is_cuda, num_warps=warps, num_stages=stages, enable_fp_fusion=False,
+        **pdl_args(x.device))
     return y
 
 
@@ -125,7 +131,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, config: tuple[int, int, int, int] | N
     bn, bk, warps, stages = cfg
     y = torch.empty(1, n, dtype=out_dtype or x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, bn),)](x, w, y, n, k, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
-                                        num_stages=stages, enable_fp_fusion=False)
+                                        num_stages=stages, enable_fp_fusion=False,
+                                        **pdl_args(x.device))
     return y
 
 

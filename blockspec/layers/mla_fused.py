@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from blockspec.layers.fused import _cast, _jit, _rnd, _want_triton
+from blockspec.layers.pdl import pdl_args, pdl_sync
 
 try:
     import triton
@@ -43,8 +44,9 @@ def _mla_rope_norm_kernel(
     q_ptr, kv_ptr, pos_ptr, cos_ptr, sin_ptr, w_ptr, q_out_ptr, entry_ptr,
     q_stride0, q_stride1, kv_stride, qo_stride0, qo_stride1, entry_stride, cos_stride,
     num_heads, eps, LATENT: tl.constexpr, ROPE: tl.constexpr, HALF_BLOCK: tl.constexpr,
-    LATENT_BLOCK: tl.constexpr, INTERLEAVED: tl.constexpr,
+    LATENT_BLOCK: tl.constexpr, INTERLEAVED: tl.constexpr, USE_PDL: tl.constexpr = False,
 ):
+    pdl_sync(USE_PDL)
     # One program per (token, head); program `num_heads` of a token is its cache entry's.
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -118,4 +120,4 @@ def mla_rope_norm(q_pe: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor,
         q_pe.stride(0), q_pe.stride(1), kv.stride(0), q_out.stride(0), q_out.stride(1),
         entry.stride(0), cos_cache.stride(0), h, eps, LATENT=latent, ROPE=r,
         HALF_BLOCK=half_block, LATENT_BLOCK=latent_block, INTERLEAVED=interleaved,
-        num_warps=1 if latent_block <= 256 else 4, enable_fp_fusion=False)
+        num_warps=1 if latent_block <= 256 else 4, enable_fp_fusion=False, **pdl_args(kv.device))

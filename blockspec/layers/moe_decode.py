@@ -26,7 +26,8 @@ import triton
 import triton.language as tl
 
 from blockspec.layers.fused import _cast, _rnd
-from blockspec.layers.int4_bits import MAGIC16, _nibble
+from blockspec.layers.int4_bits import MAGIC16, MASK32, _int4_dot_masked, _nibble
+from blockspec.layers.pdl import pdl_args, pdl_sync
 from blockspec.layers.quant_dequant import QuantWeight
 
 DENSE, INT4, FP8 = 0, 1, 2
@@ -50,6 +51,7 @@ class GemvTiles(NamedTuple):
 _DENSE_TILES = {"gate_up": GemvTiles(4, 256, 4), "down": GemvTiles(4, 512, 8)}
 DEFAULT_TILES = {DENSE: _DENSE_TILES, FP8: _DENSE_TILES,
                  INT4: {"gate_up": GemvTiles(8, 256, 4), "down": GemvTiles(8, 256, 4)}}
+DEQUANT = "magic"  # int4's unpacking where decode_experts is not given one (see _magic)
 
 
 @triton.jit
@@ -82,7 +84,19 @@ def _dot_rows(w_base, s_base, v_ptr, rows, row_ok, K, k_words, stride_wn, stride
     time: 10% faster on an H200 than a [rows, words] tile against eight strided slices of v,
     which loads v one value at a time (docs/benchmarks.md, "MoE targets")."""
     w_rows = w_base + rows[:, None].to(tl.int64) * stride_wn
-    if FORMAT == 1:  # INT4
+    if FORMAT == 1 and MAGIC == 0x4B000000:  # INT4, masked in place (int4_bits.MASK32)
+        acc = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
+        s_rows = s_base + rows[:, None].to(tl.int64) * stride_sn
+        for k0 in range(0, K, BLOCK_K):
+            kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+            ok = row_ok[:, None] & (kw < k_words)[None, :]
+            words = tl.load(w_rows + kw[None, :], mask=ok, other=0)
+            s = tl.load(s_rows + (kw // (GROUP_K // 8))[None, :], mask=ok, other=0.0)
+            v = tl.load(v_ptr + kw[:, None] * 8 + tl.arange(0, 8)[None, :],
+                        mask=(kw < k_words)[:, None], other=0.0)
+            acc += _int4_dot_masked(words, s, v, BLOCK_K // 8)
+        out = tl.sum(acc, 1)
+    elif FORMAT == 1:  # INT4
         acc = tl.zeros([BLOCK_N, BLOCK_K // 8, 8], dtype=tl.float32)
         s_rows = s_base + rows[:, None].to(tl.int64) * stride_sn
         for k0 in range(0, K, BLOCK_K):
@@ -130,7 +144,9 @@ def _gate_up_act_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, act_ptr, stats_ptr, num_sl
                         k_words, stride_xm, stride_we, stride_wn, stride_se, stride_sn,
                         TOP_K: tl.constexpr, COUNT: tl.constexpr, S_PAD: tl.constexpr,
                         FORMAT: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
-                        MAGIC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        MAGIC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        USE_PDL: tl.constexpr = False):
+    pdl_sync(USE_PDL)
     slot = tl.program_id(0)
     expert = tl.load(ids_ptr + slot).to(tl.int64)
     x_row = x_ptr + (slot // TOP_K).to(tl.int64) * stride_xm
@@ -156,7 +172,9 @@ def _down_sum_kernel(act_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, res_ptr, out_ptr, 
                      k_words, stride_we, stride_wn, stride_se, stride_sn, stride_rm, stride_om,
                      TOP_K: tl.constexpr, HAS_RES: tl.constexpr, FORMAT: tl.constexpr,
                      GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, MAGIC: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     USE_PDL: tl.constexpr = False):
+    pdl_sync(USE_PDL)
     tok = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = rows < n
@@ -208,8 +226,11 @@ def takes_decode_path(num_slots: int, w: torch.Tensor | QuantWeight) -> bool:
 
 
 def _magic(w: _Weight, act: torch.dtype, dequant: str) -> int:
-    """int4's 16-bit float whose mantissa takes a nibble ("magic"), where the activations and
-    the scales share a 16-bit dtype; 0: int -> fp32 conversions ("convert", any dtypes)."""
+    """int4's unpacking: MASK32 for "mask" (nibbles masked in place into fp32, any dtypes);
+    for "magic" the 16-bit float whose mantissa takes a nibble, where the activations and the
+    scales share a 16-bit dtype; 0: int -> fp32 conversions ("convert", any dtypes)."""
+    if w.fmt == INT4 and dequant == "mask":
+        return MASK32
     if w.fmt != INT4 or dequant == "convert" or w.scale.dtype != act:
         return 0
     return MAGIC16.get(act, 0)
@@ -228,16 +249,17 @@ def _block_k(tiles: GemvTiles, w: _Weight) -> int:
 def decode_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                    gate_up: torch.Tensor | QuantWeight, down: torch.Tensor | QuantWeight,
                    stats: torch.Tensor | None = None, residual: torch.Tensor | None = None,
-                   tiles: dict[str, GemvTiles] | None = None, dequant: str = "magic"
+                   tiles: dict[str, GemvTiles] | None = None, dequant: str | None = None
                    ) -> torch.Tensor:
     """experts_reference's result (+ residual) for a few slots: x [T, H] (rows contiguous),
     weights / ids [T, k], gate_up [E, 2I, H], down [E, H, I] -> [T, H] in x's dtype; `stats`
     as in fused_moe.align_slots; `tiles` overrides the format's DEFAULT_TILES and `dequant`
-    ("magic" or "convert", same values) int4's unpacking (tests, tuning runs)."""
+    ("magic" or "convert": the same values; "mask": exact products, int4_bits.MASK32) int4's
+    unpacking."""
     # NOTE: fp fusion on (products and sums as FMAs): every rounding to the activations' dtype
     # goes through fused._rnd's integer ops, which no contraction crosses.
     t, top_k = ids.shape
-    gu, dn = _weight(gate_up), _weight(down)
+    gu, dn, dequant = _weight(gate_up), _weight(down), dequant or DEQUANT
     tiles = {**DEFAULT_TILES[gu.fmt], **(tiles or {})}
     inter, hidden = gu.n // 2, dn.n
     assert x.stride(1) == 1 and x.shape[1] == gu.k and dn.k == inter
@@ -253,12 +275,13 @@ def decode_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
         COUNT=stats is not None, S_PAD=max(2, triton.next_power_of_2(t * top_k)),
         FORMAT=gu.fmt, GROUP_N=gu.group[0], GROUP_K=gu.group[1],
         MAGIC=_magic(gu, x.dtype, dequant), BLOCK_N=tg.block_n,
-        BLOCK_K=_block_k(tg, gu), num_warps=tg.num_warps, enable_fp_fusion=True)
+        BLOCK_K=_block_k(tg, gu), num_warps=tg.num_warps, enable_fp_fusion=True,
+        **pdl_args(x.device))
     res = residual if residual is not None else out
     _down_sum_kernel[(t, triton.cdiv(hidden, td.block_n))](
         act, flat_ids, weights.reshape(-1).contiguous(), dn.data, dn.scale, res, out, hidden,
         inter, inter // 8, *_strides(dn), res.stride(0), out.stride(0), TOP_K=top_k,
         HAS_RES=residual is not None, FORMAT=dn.fmt, GROUP_N=dn.group[0], GROUP_K=dn.group[1],
         MAGIC=_magic(dn, x.dtype, dequant), BLOCK_N=td.block_n, BLOCK_K=_block_k(td, dn),
-        num_warps=td.num_warps, enable_fp_fusion=True)
+        num_warps=td.num_warps, enable_fp_fusion=True, **pdl_args(x.device))
     return out

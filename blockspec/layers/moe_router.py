@@ -10,6 +10,7 @@ import triton
 import triton.language as tl
 
 from blockspec.layers.fused import _cast
+from blockspec.layers.pdl import pdl_args, pdl_sync
 
 MAX_EXPERTS = 1024  # one row of scores in registers
 
@@ -47,7 +48,9 @@ def _keep_groups(biased, E_PAD: tl.constexpr, N_GROUP: tl.constexpr,
 def _route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, stride_l, scaling,
                   E: tl.constexpr, E_PAD: tl.constexpr, TOP_K: tl.constexpr,
                   K_PAD: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
-                  HAS_BIAS: tl.constexpr, NORM: tl.constexpr):
+                  HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
+                  USE_PDL: tl.constexpr = False):
+    pdl_sync(USE_PDL)
     t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, E_PAD)
     ok = e < E
@@ -89,5 +92,5 @@ def route(router_logits: torch.Tensor, correction_bias: torch.Tensor | None, top
                             float(routed_scaling_factor), E=e, E_PAD=triton.next_power_of_2(e),
                             TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), N_GROUP=n_group,
                             TOPK_GROUP=topk_group, HAS_BIAS=correction_bias is not None,
-                            NORM=norm_topk_prob)
+                            NORM=norm_topk_prob, **pdl_args(router_logits.device))
     return weights, ids

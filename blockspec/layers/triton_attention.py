@@ -26,6 +26,7 @@ from blockspec.layers.attention_splits import (
     num_sms,
     split_limits,
 )
+from blockspec.layers.pdl import pdl_args, pdl_sync
 from blockspec.layers.triton_attention_tiles import (
     _key_slots,
     _merge_kernel,
@@ -50,7 +51,9 @@ def _attn_kernel(q_ptr, k_cache_ptr, v_cache_ptr, out_ptr, lse_ptr,
                  BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
                  BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr, NUM_SPLITS: tl.constexpr,
                  MIN_CHUNK: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 FLAT_GRID: tl.constexpr):
+                 FLAT_GRID: tl.constexpr,
+                 USE_PDL: tl.constexpr = False):
+    pdl_sync(USE_PDL)
     seq, q_tile = _program_tile(cu_seqlens_q_ptr, num_seqs, BLOCK_Q, FLAT_GRID)
     kv_head, split = tl.program_id(2) // NUM_SPLITS, tl.program_id(2) % NUM_SPLITS
     q_start = tl.load(cu_seqlens_q_ptr + seq)
@@ -210,7 +213,8 @@ class TritonAttentionBackend:
             BLOCK_SIZE=block_size, BLOCK_N=self.block_n, CAUSAL=meta.causal, NUM_SPLITS=splits,
             MIN_CHUNK=min_keys if splits > 1 else 0, DOT_DTYPE=dot_dtype,
             DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32", FLAT_GRID=flat,
-            **({"num_stages": self.num_stages} if self.num_stages else {}), **common)
+            **({"num_stages": self.num_stages} if self.num_stages else {}), **common,
+            **pdl_args(q.device))
         if splits > 1:
             # NOTE: a block's rows (64) merge in 32-column slices for more programs; a decode
             # token's few rows whole (slicing them measured slower).
@@ -220,4 +224,5 @@ class TritonAttentionBackend:
                 *part.stride()[:3], lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
                 GROUP=group, HEAD_DIM=head_dim, D_BLOCK=d_block, BLOCK_Q=block_q,
                 BLOCK_M=block_m, BLOCK_N=self.block_n, CAUSAL=meta.causal, NUM_SPLITS=splits,
-                MIN_CHUNK=min_keys, FLAT_GRID=flat, num_warps=self.num_warps or 4)
+                MIN_CHUNK=min_keys, FLAT_GRID=flat, num_warps=self.num_warps or 4,
+                **pdl_args(q.device))

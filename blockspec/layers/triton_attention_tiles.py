@@ -6,6 +6,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from blockspec.layers.pdl import pdl_sync
+
 
 @triton.jit
 def _program_tile(cu_seqlens_q_ptr, num_seqs, BLOCK_Q: tl.constexpr, FLAT_GRID: tl.constexpr):
@@ -87,7 +89,9 @@ def _merge_kernel(part_ptr, lse_ptr, out_ptr, cu_seqlens_q_ptr, seq_lens_ptr, nu
                   GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, D_BLOCK: tl.constexpr,
                   BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   CAUSAL: tl.constexpr, NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr,
-                  FLAT_GRID: tl.constexpr):
+                  FLAT_GRID: tl.constexpr,
+                  USE_PDL: tl.constexpr = False):
+    pdl_sync(USE_PDL)
     # NOTE: _attn_kernel's grid and row mapping, each (seq, tile, kv head) cut into D_BLOCK-wide
     # column slices for parallelism; it reads only the splits that got keys (_split_range).
     seq, q_tile = _program_tile(cu_seqlens_q_ptr, num_seqs, BLOCK_Q, FLAT_GRID)

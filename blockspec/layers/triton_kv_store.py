@@ -7,13 +7,17 @@ import torch
 import triton
 import triton.language as tl
 
+from blockspec.layers.pdl import pdl_args, pdl_sync
+
 
 @triton.jit
 def _store_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
                      stride_kt, stride_kh, stride_vt, stride_vh, stride_cb, stride_cs, stride_ch,
                      NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
                      BLOCK_SIZE: tl.constexpr, H_PAD: tl.constexpr, D_PAD: tl.constexpr,
-                     SHARED_KV: tl.constexpr):
+                     SHARED_KV: tl.constexpr,
+                     USE_PDL: tl.constexpr = False):
+    pdl_sync(USE_PDL)
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     # NOTE: slot -1 marks a token whose K/V must not be written (e.g. padding).
@@ -48,4 +52,4 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
         v.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=k_cache.shape[1],
         H_PAD=triton.next_power_of_2(num_kv_heads), D_PAD=triton.next_power_of_2(head_dim),
-        SHARED_KV=shared)
+        SHARED_KV=shared, **pdl_args(k.device))

@@ -31,6 +31,7 @@ from blockspec.layers.attention_splits import (
     num_sms,
     split_limits,
 )
+from blockspec.layers.pdl import pdl_args, pdl_sync
 from blockspec.layers.triton_attention_tiles import (
     _key_slots,
     _merge_kernel,
@@ -69,7 +70,9 @@ def _mla_kernel(q_ptr, cache_ptr, out_ptr, part_ptr, lse_ptr,
                 ROPE_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr,
                 NUM_SPLITS: tl.constexpr, MIN_CHUNK: tl.constexpr, DOT_DTYPE: tl.constexpr,
-                DOT_PRECISION: tl.constexpr, FLAT_GRID: tl.constexpr):
+                DOT_PRECISION: tl.constexpr, FLAT_GRID: tl.constexpr,
+                USE_PDL: tl.constexpr = False):
+    pdl_sync(USE_PDL)
     seq, q_tile = _program_tile(cu_seqlens_q_ptr, num_seqs, BLOCK_Q, FLAT_GRID)
     head_block, split = tl.program_id(2) // NUM_SPLITS, tl.program_id(2) % NUM_SPLITS
     q_start = tl.load(cu_seqlens_q_ptr + seq)
@@ -271,11 +274,11 @@ class TritonMLABackend:
             ROPE_PAD=max(16, triton.next_power_of_2(head_dim - rank)), BLOCK_SIZE=cache.shape[1],
             MIN_CHUNK=p.min_keys if p.splits > 1 else 0, DOT_DTYPE=dot_dtype,
             DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
-            num_warps=p.num_warps, num_stages=p.num_stages, **common)
+            num_warps=p.num_warps, num_stages=p.num_stages, **common, **pdl_args(q.device))
         if p.splits > 1:
             d_block = min(MERGE_D_BLOCK, rank)
             _merge_kernel[(*p.tiles, p.head_blocks * triton.cdiv(rank, d_block))](
                 part, lse, out, meta.cu_seqlens_q, meta.seq_lens, meta.num_seqs, *q_range,
                 *part.stride()[:3], lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
                 GROUP=p.block_h, HEAD_DIM=rank, D_BLOCK=d_block, MIN_CHUNK=p.min_keys,
-                num_warps=4, **common)
+                num_warps=4, **common, **pdl_args(q.device))
