@@ -1,18 +1,15 @@
-"""A/B of batch-1 decode-step options on one GPU, in one run (issues 21 and 23).
+"""A/B of programmatic dependent launch (layers/pdl.py) on the batch-1 decode step, one GPU,
+one run (issues 21 and 23).
 
 For each target (random weights, `load_format=dummy`): Moonlight-16B-A3B's shape, the
-Kimi-K2.6-width slice with INT4 experts (benchmarks/moe_bench.py's), and optionally the dense
+Kimi-K2.6-width slice with INT4 experts (benchmarks/moe_bench.py's) and optionally the dense
 Qwen3-8B shape, one engine is started and its AR decode step (batch 1, context 640) is captured
-again into a CUDA graph per variant:
-  - PDL: the Triton kernels launched with programmatic dependent launch or not (layers/pdl.py,
-    BLOCKSPEC_PDL read at capture);
-  - int4 unpacking of the decode-step experts (layers/moe_decode.py DEQUANT: "magic", "mask").
-Each variant: median graph replay of 50 (after 5), its ratio to the step's bytes floor at the
-measured copy bandwidth, and whether its logits equal the first variant's bit for bit (PDL
-changes no arithmetic, so a difference there is a race; unpackings differ by rounding).
-Then the int4 experts kernel alone (Kimi's shape) per unpacking and tile, 1 and 4 tokens.
+again into a CUDA graph with the Triton kernels launched with PDL and without (BLOCKSPEC_PDL,
+read at capture). Each: median graph replay of 50 (after 5), its ratio to the step's bytes floor
+at the measured copy bandwidth, and whether its logits equal the first capture's bit for bit
+(PDL changes no arithmetic, so a difference is a race).
 
-Usage: python benchmarks/step_ab.py --out FILE.json [--qwen3]
+Usage: python benchmarks/step_ab.py --out FILE.json [--qwen3] [--skip moonlight,kimi_int4]
 """
 
 from __future__ import annotations
@@ -27,12 +24,10 @@ from pathlib import Path
 
 import torch
 
-import blockspec.layers.moe_decode as md
 from blockspec import LLM
 from blockspec.bench.common import git_commit, recorded_command
 from blockspec.bench.fullsize import INPUT_LEN
 from blockspec.bench.gpu_timing import copy_bandwidth, floor_bytes, free
-from blockspec.bench.kernel_tune import dequant_sweep
 from blockspec.bench.moe_shapes import (
     KIMI_INT4,
     MOONLIGHT,
@@ -46,10 +41,9 @@ from blockspec.engine.decode_step import GraphedDecodeStep
 CTX = INPUT_LEN + 128
 
 
-def variant(llm: LLM, pdl: bool, dequant: str, iters: int = 50) -> tuple[float, torch.Tensor]:
-    """(median replay ms, logits) of the batch-1 AR step captured under these options."""
+def variant(llm: LLM, pdl: bool, iters: int = 50) -> tuple[float, torch.Tensor]:
+    """(median replay ms, logits) of the batch-1 AR step captured with or without PDL."""
     os.environ["BLOCKSPEC_PDL"] = "1" if pdl else "0"
-    md.DEQUANT = dequant
     runner = llm.engine.runner
     bufs = runner.bufs
     bufs.block_tables.fill_(runner.trash_block)
@@ -72,31 +66,27 @@ def variant(llm: LLM, pdl: bool, dequant: str, iters: int = 50) -> tuple[float, 
     return sorted(times)[len(times) // 2], logits
 
 
-def target_ab(name: str, llm: LLM, floor: float, bw: float, dequants: list[str]) -> dict:
+def target_ab(name: str, llm: LLM, floor: float, bw: float) -> dict:
     res: dict = {"bytes_floor_ms": floor / bw * 1e3, "variants": []}
     first = None
-    for dequant in dequants:
-        for pdl in (False, True):
-            try:
-                ms, logits = variant(llm, pdl, dequant)
-            except Exception as exc:  # noqa: BLE001 - recorded, the other variants still run
-                res["variants"].append({"pdl": pdl, "dequant": dequant, "error": repr(exc)})
-                print(f"{name} pdl={pdl} dequant={dequant}: FAILED {exc!r}", flush=True)
-                continue
-            first = logits if first is None else first
-            row = {"pdl": pdl, "dequant": dequant, "replay_ms": ms,
-                   "floor_ratio": ms / res["bytes_floor_ms"],
-                   "logits_equal_first": bool(torch.equal(logits, first)),
-                   "logits_max_abs_diff_first": (logits.float() - first.float()).abs().max()
-                   .item()}
-            res["variants"].append(row)
-            print(f"{name} pdl={pdl} dequant={dequant}: replay {ms:.3f} ms "
-                  f"({row['floor_ratio']:.2f}x floor {res['bytes_floor_ms']:.3f} ms), logits "
-                  f"equal {row['logits_equal_first']}", flush=True)
+    for pdl in (False, True):
+        try:
+            ms, logits = variant(llm, pdl)
+        except Exception as exc:  # noqa: BLE001 - recorded, the other variant still runs
+            res["variants"].append({"pdl": pdl, "error": repr(exc)})
+            print(f"{name} pdl={pdl}: FAILED {exc!r}", flush=True)
+            continue
+        first = logits if first is None else first
+        row = {"pdl": pdl, "replay_ms": ms, "floor_ratio": ms / res["bytes_floor_ms"],
+               "logits_equal_first": bool(torch.equal(logits, first))}
+        res["variants"].append(row)
+        print(f"{name} pdl={pdl}: replay {ms:.3f} ms ({row['floor_ratio']:.2f}x floor "
+              f"{res['bytes_floor_ms']:.3f} ms), logits equal {row['logits_equal_first']}",
+              flush=True)
     return res
 
 
-def moe_target(root: Path, name: str, shape: dict, bw: float, dequants: list[str]) -> dict:
+def moe_target(root: Path, name: str, shape: dict, bw: float) -> dict:
     target, _ = write_moe_folders(root, name, shape)
     llm = LLM(str(target), device="cuda", dtype="bfloat16", load_format="dummy",
               max_model_len=2048, kv_cache_memory_gb=4, max_num_seqs=1,
@@ -104,7 +94,7 @@ def moe_target(root: Path, name: str, shape: dict, bw: float, dequants: list[str
     mc = llm.engine.model_config
     parts = expert_bytes(llm.engine.model)
     floor = step_floor_bytes(parts, mc.moe.num_experts_per_tok, CTX, mc)
-    res = target_ab(name, llm, floor, bw, dequants)
+    res = target_ab(name, llm, floor, bw)
     del llm
     free()
     return res
@@ -114,7 +104,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--qwen3", action="store_true", help="also the dense Qwen3-8B shape")
-    ap.add_argument("--skip", default="", help="moonlight,kimi_int4,kernel")
+    ap.add_argument("--skip", default="", help="moonlight,kimi_int4")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     out, root = Path(args.out), Path(tempfile.mkdtemp())
@@ -131,23 +121,20 @@ def main() -> int:
         out.write_text(json.dumps(res, indent=2) + "\n")
 
     if "moonlight" not in skip:
-        res["moonlight"] = moe_target(root, "moonlight", MOONLIGHT, bw, ["magic"])
+        res["moonlight"] = moe_target(root, "moonlight", MOONLIGHT, bw)
         save()
     if "kimi_int4" not in skip:
         shape = {**kimi_slice(6), "quantization_config": KIMI_INT4}
-        res["kimi_int4"] = moe_target(root, "kimi-int4", shape, bw, ["magic", "mask"])
-        save()
-    if "kernel" not in skip:
-        res["int4_experts_kernel"] = dequant_sweep("kimi_int4", 2, torch.device("cuda"))
+        res["kimi_int4"] = moe_target(root, "kimi-int4", shape, bw)
         save()
     if args.qwen3:
         from blockspec.bench.fullsize import make_llm, write_folders
 
         target, _ = write_folders(root)
         llm = make_llm(target, None, max_num_seqs=1, kv_cache_memory_gb=4)
-        res["qwen3_8b"] = target_ab("qwen3_8b", llm, floor_bytes(llm, CTX), bw, ["magic"])
+        res["qwen3_8b"] = target_ab("qwen3_8b", llm, floor_bytes(llm, CTX), bw)
         save()
-    md.DEQUANT, os.environ["BLOCKSPEC_PDL"] = "magic", "1"
+    os.environ.pop("BLOCKSPEC_PDL")
     return 0
 
 

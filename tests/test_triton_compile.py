@@ -114,13 +114,6 @@ def compile_moe_decode() -> None:
             act_ptr="*bf16", ids_ptr="*i64", wts_ptr="*bf16", w_ptr=w, s_ptr=s,
             res_ptr="*bf16", out_ptr="*bf16"), num_warps=td.num_warps, enable_fp_fusion=True)
         assert "cubin" in kernel.asm
-        if fmt == md.INT4:  # int4 masked in place (MASK32)
-            kernel = compile_kernel_sm90(md._gate_up_act_kernel, dict(
-                common, MAGIC=md.MASK32, COUNT=True, S_PAD=8, BLOCK_N=tg.block_n,
-                BLOCK_K=tg.block_k), dict(x_ptr="*bf16", ids_ptr="*i64", w_ptr=w, s_ptr=s,
-                                          act_ptr="*bf16", stats_ptr="*i64"),
-                num_warps=tg.num_warps, enable_fp_fusion=True)
-            assert "cubin" in kernel.asm
 
 
 def compile_pdl() -> None:

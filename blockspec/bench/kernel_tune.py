@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
-from functools import partial
 
 import torch
 
 from blockspec.bench.gpu_timing import graph_ms
 from blockspec.layers.quant_dequant import QuantWeight
 
-__all__ = ["EXPERT_SHAPES", "GEMV_SHAPES", "dequant_sweep", "sweep_decode_experts",
-           "sweep_gemv"]
+__all__ = ["EXPERT_SHAPES", "GEMV_SHAPES", "sweep_decode_experts", "sweep_gemv"]
 
 # (experts, hidden, intermediate, top_k, int4)
 EXPERT_SHAPES = {"moonlight_bf16": (64, 2048, 1408, 6, False),
@@ -120,48 +118,6 @@ def sweep_decode_experts(name: str, layers: int, dev: torch.device,
         log(f"{name} T={t}: decode {row['decode_ms']:.4f} ms/layer, grouped "
             f"{row['grouped_ms']:.4f}, max rel diff {row['max_rel_diff_vs_grouped']:.1e}")
     return res
-
-
-def _decode_all(calls: list[tuple], tiles: dict | None, dequant: str) -> list:
-    import blockspec.layers.moe_decode as md
-
-    return [md.decode_experts(*c, tiles=tiles, dequant=dequant) for c in calls]
-
-
-# (rows, columns, warps) tried for the masked int4 unpacking (one kernel's tiles, both kernels)
-MASK_TILES = [(4, 256, 4), (8, 256, 4), (8, 512, 4), (8, 512, 8), (16, 256, 4), (16, 256, 8),
-              (4, 512, 4), (16, 512, 8)]
-
-
-def dequant_sweep(name: str, layers: int, dev: torch.device,
-                  log: Callable[[str], None] = print) -> dict:
-    """int4 decode experts at 1 and 4 tokens: "magic" at its default tiles against "mask" at
-    each MASK_TILES tile (both kernels); ms per layer, max |diff| / max |grouped GEMMs|."""
-    import blockspec.layers.moe_decode as md
-    import blockspec.layers.quant_gemm as qg
-
-    e, h, i, k, _ = EXPERT_SHAPES[name]
-    weights = _experts(EXPERT_SHAPES[name], layers, dev)
-    x = torch.randn(4, h, device=dev, dtype=torch.bfloat16)
-    rows = []
-    for t in (1, 4):
-        routes = _routing(t, e, k, layers, dev)
-        (ids, w), (gu, dn) = routes[0], weights[0]
-        ref = qg.fused_experts_quant(x[:t], w, ids, gu, dn, tiles=qg.DEFAULT_TILES["int4"])
-        ref = ref.float()
-        cases = [("magic", None)] + [("mask", {kn: md.GemvTiles(*c) for kn in ("gate_up", "down")})
-                                     for c in MASK_TILES]
-        for dequant, tiles in cases:
-            calls = [(x[:t], wt, ids_, g, d) for (ids_, wt), (g, d) in zip(routes, weights)]
-            ms = graph_ms(partial(_decode_all, calls, tiles, dequant)) / layers
-            got = md.decode_experts(x[:t], w, ids, gu, dn, tiles=tiles, dequant=dequant).float()
-            row = {"tokens": t, "dequant": dequant,
-                   "tiles": list(tiles["gate_up"]) if tiles else "default", "ms": ms,
-                   "max_rel_diff_vs_grouped": ((got - ref).abs().max() / ref.abs().max()).item()}
-            rows.append(row)
-            log(f"{name} T={t} {dequant} {row['tiles']}: {ms:.4f} ms/layer, rel diff "
-                f"{row['max_rel_diff_vs_grouped']:.1e}")
-    return {"layers": layers, "rows": rows}
 
 
 def _gemv_row(n: int, k: int, dev: torch.device) -> dict:

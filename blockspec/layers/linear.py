@@ -36,12 +36,16 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.c
                  USE_PDL: tl.constexpr = False):
     # y[n] = sum_k w[n, k] x[k]: one program per BLOCK_N output features, streaming their rows.
     # NOTE: K % BLOCK_K == 0 (the caller picks BLOCK_K): no column mask inside the loop.
-    pdl_sync(USE_PDL)
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
     base = w_ptr + rows[:, None].to(tl.int64) * K
-    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    cols = tl.arange(0, BLOCK_K)
+    # NOTE: the first weight tile loads before the PDL wait (no kernel writes weights), so under
+    # PDL its latency overlaps the previous kernel's end; x waits.
+    w = tl.load(base + cols[None, :], mask=rmask[:, None], other=0.0)
+    pdl_sync(USE_PDL)
+    acc = w.to(tl.float32) * tl.load(x_ptr + cols)[None, :].to(tl.float32)
+    for k0 in range(BLOCK_K, K, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(base + cols[None, :], mask=rmask[:, None], other=0.0)
         x = tl.load(x_ptr + cols)
@@ -120,7 +124,8 @@ def skinny(x: torch.Tensor, w: torch.Tensor,
 def gemv(x: torch.Tensor, w: torch.Tensor, config: tuple[int, int, int, int] | None = None,
          out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [1, K] @ w [N, K]^T -> [1, N] in `out_dtype` (x's by default), products and sums in
-    fp32 whatever the inputs' dtypes (`config`: benchmarks sweep them)."""
+    fp32 whatever the inputs' dtypes (`config`: benchmarks sweep them). NOTE: `w` is a weight:
+    under PDL its first tile is read before the wait for the previous kernel."""
     m, k = x.shape
     n = w.shape[0]
     cfg = config or gemv_config(n, k)

@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from blockspec.layers.fused import _cast, _rnd
-from blockspec.layers.int4_bits import MAGIC16, MASK32, _int4_dot_masked, _nibble
+from blockspec.layers.int4_bits import MAGIC16, _nibble
 from blockspec.layers.pdl import pdl_args, pdl_sync
 from blockspec.layers.quant_dequant import QuantWeight
 
@@ -51,7 +51,6 @@ class GemvTiles(NamedTuple):
 _DENSE_TILES = {"gate_up": GemvTiles(4, 256, 4), "down": GemvTiles(4, 512, 8)}
 DEFAULT_TILES = {DENSE: _DENSE_TILES, FP8: _DENSE_TILES,
                  INT4: {"gate_up": GemvTiles(8, 256, 4), "down": GemvTiles(8, 256, 4)}}
-DEQUANT = "magic"  # int4's unpacking where decode_experts is not given one (see _magic)
 
 
 @triton.jit
@@ -84,19 +83,7 @@ def _dot_rows(w_base, s_base, v_ptr, rows, row_ok, K, k_words, stride_wn, stride
     time: 10% faster on an H200 than a [rows, words] tile against eight strided slices of v,
     which loads v one value at a time (docs/benchmarks.md, "MoE targets")."""
     w_rows = w_base + rows[:, None].to(tl.int64) * stride_wn
-    if FORMAT == 1 and MAGIC == 0x4B000000:  # INT4, masked in place (int4_bits.MASK32)
-        acc = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
-        s_rows = s_base + rows[:, None].to(tl.int64) * stride_sn
-        for k0 in range(0, K, BLOCK_K):
-            kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-            ok = row_ok[:, None] & (kw < k_words)[None, :]
-            words = tl.load(w_rows + kw[None, :], mask=ok, other=0)
-            s = tl.load(s_rows + (kw // (GROUP_K // 8))[None, :], mask=ok, other=0.0)
-            v = tl.load(v_ptr + kw[:, None] * 8 + tl.arange(0, 8)[None, :],
-                        mask=(kw < k_words)[:, None], other=0.0)
-            acc += _int4_dot_masked(words, s, v, BLOCK_K // 8)
-        out = tl.sum(acc, 1)
-    elif FORMAT == 1:  # INT4
+    if FORMAT == 1:  # INT4
         acc = tl.zeros([BLOCK_N, BLOCK_K // 8, 8], dtype=tl.float32)
         s_rows = s_base + rows[:, None].to(tl.int64) * stride_sn
         for k0 in range(0, K, BLOCK_K):
@@ -226,11 +213,8 @@ def takes_decode_path(num_slots: int, w: torch.Tensor | QuantWeight) -> bool:
 
 
 def _magic(w: _Weight, act: torch.dtype, dequant: str) -> int:
-    """int4's unpacking: MASK32 for "mask" (nibbles masked in place into fp32, any dtypes);
-    for "magic" the 16-bit float whose mantissa takes a nibble, where the activations and the
-    scales share a 16-bit dtype; 0: int -> fp32 conversions ("convert", any dtypes)."""
-    if w.fmt == INT4 and dequant == "mask":
-        return MASK32
+    """int4's 16-bit float whose mantissa takes a nibble ("magic"), where the activations and
+    the scales share a 16-bit dtype; 0: int -> fp32 conversions ("convert", any dtypes)."""
     if w.fmt != INT4 or dequant == "convert" or w.scale.dtype != act:
         return 0
     return MAGIC16.get(act, 0)
@@ -249,17 +233,16 @@ def _block_k(tiles: GemvTiles, w: _Weight) -> int:
 def decode_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                    gate_up: torch.Tensor | QuantWeight, down: torch.Tensor | QuantWeight,
                    stats: torch.Tensor | None = None, residual: torch.Tensor | None = None,
-                   tiles: dict[str, GemvTiles] | None = None, dequant: str | None = None
+                   tiles: dict[str, GemvTiles] | None = None, dequant: str = "magic"
                    ) -> torch.Tensor:
     """experts_reference's result (+ residual) for a few slots: x [T, H] (rows contiguous),
     weights / ids [T, k], gate_up [E, 2I, H], down [E, H, I] -> [T, H] in x's dtype; `stats`
     as in fused_moe.align_slots; `tiles` overrides the format's DEFAULT_TILES and `dequant`
-    ("magic" or "convert": the same values; "mask": exact products, int4_bits.MASK32) int4's
-    unpacking."""
+    ("magic" or "convert", same values) int4's unpacking (tests, tuning runs)."""
     # NOTE: fp fusion on (products and sums as FMAs): every rounding to the activations' dtype
     # goes through fused._rnd's integer ops, which no contraction crosses.
     t, top_k = ids.shape
-    gu, dn, dequant = _weight(gate_up), _weight(down), dequant or DEQUANT
+    gu, dn = _weight(gate_up), _weight(down)
     tiles = {**DEFAULT_TILES[gu.fmt], **(tiles or {})}
     inter, hidden = gu.n // 2, dn.n
     assert x.stride(1) == 1 and x.shape[1] == gu.k and dn.k == inter
