@@ -7,8 +7,9 @@ kernel's programs start while the previous kernel finishes and wait at `griddepc
 until its writes are visible.
 
 NOTE (the invariant every kernel that takes USE_PDL keeps): `pdl_sync` runs before the
-program's first load or store of anything another kernel writes or reads, so a kernel never
-races its predecessor; and since a kernel's wait returns only once its predecessor has
+program's first store and its first load of anything a kernel writes (only weights, which no
+kernel writes, may load before it: the GEMV's first tile), so a kernel never races its
+predecessor; and since a kernel's wait returns only once its predecessor has
 completed, whose own wait returned only once *its* predecessor had, the order is transitive
 along the stream. Kernels without PDL (cuBLAS, torch ops) run in plain stream order.
 
