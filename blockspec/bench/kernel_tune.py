@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable
+from functools import partial
 
 import torch
 
 from blockspec.bench.gpu_timing import graph_ms
 from blockspec.layers.quant_dequant import QuantWeight
 
-__all__ = ["EXPERT_SHAPES", "GEMV_SHAPES", "sweep_decode_experts", "sweep_gemv"]
+__all__ = ["EXPERT_SHAPES", "GEMV_SHAPES", "sweep_decode_experts", "sweep_gemv",
+           "sweep_wide"]
 
 # (experts, hidden, intermediate, top_k, int4)
 EXPERT_SHAPES = {"moonlight_bf16": (64, 2048, 1408, 6, False),
@@ -118,6 +120,74 @@ def sweep_decode_experts(name: str, layers: int, dev: torch.device,
         log(f"{name} T={t}: decode {row['decode_ms']:.4f} ms/layer, grouped "
             f"{row['grouped_ms']:.4f}, max rel diff {row['max_rel_diff_vs_grouped']:.1e}")
     return res
+
+
+# Wider tiles (more loads in flight a thread) for each kernel, the gate_up ones also with the
+# gate and up rows in one loop; int4's "magic" only where its [rows, words, 8] fp32 tile fits.
+WIDE_GRID = {"int4": [(4, 1024, 4), (8, 256, 4), (8, 512, 4), (8, 1024, 4), (8, 2048, 4),
+                      (4, 2048, 4), (8, 1024, 8), (16, 1024, 8), (8, 512, 2), (8, 1024, 2)],
+             "bf16": [(4, 256, 4), (4, 512, 8), (4, 512, 4), (4, 1024, 4), (8, 512, 4),
+                      (2, 1024, 4), (4, 1024, 8), (8, 1024, 8), (2, 2048, 4)]}
+
+
+def _decode_all(calls: list[tuple], tiles: dict | None, dequant: str) -> list:
+    import blockspec.layers.moe_decode as md
+
+    return [md.decode_experts(*c, tiles=tiles, dequant=dequant) for c in calls]
+
+
+def sweep_wide(name: str, layers: int, dev: torch.device, dequants: tuple[str, ...],
+               log: Callable[[str], None] = print) -> dict:
+    """WIDE_GRID per kernel (the other at its default) and unpacking at 1 token; then each
+    unpacking's best pair at 1, 2, 4 tokens against the defaults, ms per layer, and the max
+    |diff| / max |grouped GEMMs| of its output."""
+    import blockspec.layers.moe_decode as md
+    import blockspec.layers.quant_gemm as qg
+
+    e, h, i, k, quant = EXPERT_SHAPES[name]
+    weights = _experts(EXPERT_SHAPES[name], layers, dev)
+    x = torch.randn(4, h, device=dev, dtype=torch.bfloat16)
+    routes = {t: _routing(t, e, k, layers, dev) for t in (1, 2, 4)}
+
+    def time(t: int, tiles: dict | None, dequant: str) -> float:
+        calls = [(x[:t], wt, ids, g, d) for (ids, wt), (g, d) in zip(routes[t], weights)]
+        return graph_ms(partial(_decode_all, calls, tiles, dequant)) / layers
+
+    res: dict = {"layers": layers, "by_tiles": [], "best": []}
+    for dequant in dequants:
+        best = {}
+        for kernel in ("gate_up", "down"):
+            rows = {}
+            for bn, bk, w in WIDE_GRID["int4" if quant else "bf16"]:
+                if dequant == "magic" and quant and bn * bk > 8192:
+                    continue
+                for joint in ((False, True) if kernel == "gate_up" else (False,)):
+                    tiles = md.GemvTiles(bn, bk, w, joint)
+                    rows[tiles] = time(1, {kernel: tiles}, dequant)
+                    res["by_tiles"].append({"dequant": dequant, "kernel": kernel,
+                                            "tiles": list(tiles), "ms": rows[tiles]})
+            best[kernel] = min(rows, key=rows.get)
+            log(f"{name} {dequant} {kernel}: best {list(best[kernel])} "
+                f"{rows[best[kernel]]:.4f} ms/layer")
+        for t in (1, 2, 4):
+            (ids, wt), (g, d) = routes[t][0], weights[0]
+            ref = (qg.fused_experts_quant(x[:t], wt, ids, g, d, tiles=qg.DEFAULT_TILES["int4"])
+                   if quant else fm_grouped(x[:t], wt, ids, g, d)).float()
+            got = md.decode_experts(x[:t], wt, ids, g, d, tiles=best, dequant=dequant).float()
+            row = {"dequant": dequant, "tokens": t, "tiles": {kn: list(v) for kn, v in
+                                                              best.items()},
+                   "ms": time(t, best, dequant), "default_ms": time(t, None, "magic"),
+                   "max_rel_diff_vs_grouped": ((got - ref).abs().max() / ref.abs().max()).item()}
+            res["best"].append(row)
+            log(f"{name} {dequant} T={t}: best {row['ms']:.4f} ms/layer, default "
+                f"{row['default_ms']:.4f}, rel diff {row['max_rel_diff_vs_grouped']:.1e}")
+    return res
+
+
+def fm_grouped(*args) -> torch.Tensor:
+    import blockspec.layers.fused_moe as fm
+
+    return fm.grouped_experts(*args)
 
 
 def _gemv_row(n: int, k: int, dev: torch.device) -> dict:

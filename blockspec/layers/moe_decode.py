@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 
 from blockspec.layers.fused import _cast, _rnd
-from blockspec.layers.int4_bits import MAGIC16, _nibble
+from blockspec.layers.int4_bits import MAGIC16, MASK32, _int4_dot_masked, _nibble
 from blockspec.layers.pdl import pdl_args, pdl_sync
 from blockspec.layers.quant_dequant import QuantWeight
 
@@ -38,11 +38,13 @@ MAX_DECODE_SLOTS = {DENSE: 8, FP8: 8, INT4: 32}
 
 
 class GemvTiles(NamedTuple):
-    """(rows per program, input columns per iteration, warps) of one kernel."""
+    """(rows per program, input columns per iteration, warps) of one kernel; `joint`: the gate
+    and up rows in one loop (gate_up only: twice the loads in flight per iteration)."""
 
     block_n: int
     block_k: int
     num_warps: int
+    joint: bool = False
 
 
 # NOTE: per weight format, the fastest tiles of `benchmarks/kernel_tune.py` on an H200 at one
@@ -83,7 +85,19 @@ def _dot_rows(w_base, s_base, v_ptr, rows, row_ok, K, k_words, stride_wn, stride
     time: 10% faster on an H200 than a [rows, words] tile against eight strided slices of v,
     which loads v one value at a time (docs/benchmarks.md, "MoE targets")."""
     w_rows = w_base + rows[:, None].to(tl.int64) * stride_wn
-    if FORMAT == 1:  # INT4
+    if FORMAT == 1 and MAGIC == 0x4B000000:  # INT4, masked in place (int4_bits.MASK32)
+        acc = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
+        s_rows = s_base + rows[:, None].to(tl.int64) * stride_sn
+        for k0 in range(0, K, BLOCK_K):
+            kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+            ok = row_ok[:, None] & (kw < k_words)[None, :]
+            words = tl.load(w_rows + kw[None, :], mask=ok, other=0)
+            s = tl.load(s_rows + (kw // (GROUP_K // 8))[None, :], mask=ok, other=0.0)
+            v = tl.load(v_ptr + kw[:, None] * 8 + tl.arange(0, 8)[None, :],
+                        mask=(kw < k_words)[:, None], other=0.0)
+            acc += _int4_dot_masked(words, s, v, BLOCK_K // 8)
+        out = tl.sum(acc, 1)
+    elif FORMAT == 1:  # INT4
         acc = tl.zeros([BLOCK_N, BLOCK_K // 8, 8], dtype=tl.float32)
         s_rows = s_base + rows[:, None].to(tl.int64) * stride_sn
         for k0 in range(0, K, BLOCK_K):
@@ -132,7 +146,7 @@ def _gate_up_act_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, act_ptr, stats_ptr, num_sl
                         TOP_K: tl.constexpr, COUNT: tl.constexpr, S_PAD: tl.constexpr,
                         FORMAT: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
                         MAGIC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        USE_PDL: tl.constexpr = False):
+                        JOINT: tl.constexpr, USE_PDL: tl.constexpr = False):
     pdl_sync(USE_PDL)
     slot = tl.program_id(0)
     expert = tl.load(ids_ptr + slot).to(tl.int64)
@@ -141,10 +155,17 @@ def _gate_up_act_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, act_ptr, stats_ptr, num_sl
     ok = rows < inter
     w_base, s_base = w_ptr + expert * stride_we, s_ptr + expert * stride_se
     act_dtype = act_ptr.dtype.element_ty
-    gate = _dot_rows(w_base, s_base, x_row, rows, ok, K, k_words, stride_wn, stride_sn, FORMAT,
-                     GROUP_N, GROUP_K, MAGIC, act_dtype, BLOCK_N, BLOCK_K)
-    up = _dot_rows(w_base, s_base, x_row, rows + inter, ok, K, k_words, stride_wn, stride_sn,
-                   FORMAT, GROUP_N, GROUP_K, MAGIC, act_dtype, BLOCK_N, BLOCK_K)
+    if JOINT:  # row pairs (gate i, up i) interleaved: one loop, same sums per row
+        r = tl.program_id(1) * BLOCK_N + tl.arange(0, 2 * BLOCK_N) // 2
+        both = _dot_rows(w_base, s_base, x_row, r + (tl.arange(0, 2 * BLOCK_N) % 2) * inter,
+                         r < inter, K, k_words, stride_wn, stride_sn, FORMAT, GROUP_N, GROUP_K,
+                         MAGIC, act_dtype, 2 * BLOCK_N, BLOCK_K)
+        gate, up = tl.split(tl.reshape(both, [BLOCK_N, 2]))
+    else:
+        gate = _dot_rows(w_base, s_base, x_row, rows, ok, K, k_words, stride_wn, stride_sn,
+                         FORMAT, GROUP_N, GROUP_K, MAGIC, act_dtype, BLOCK_N, BLOCK_K)
+        up = _dot_rows(w_base, s_base, x_row, rows + inter, ok, K, k_words, stride_wn,
+                       stride_sn, FORMAT, GROUP_N, GROUP_K, MAGIC, act_dtype, BLOCK_N, BLOCK_K)
     gate, up = _rnd(gate, act_dtype), _rnd(up, act_dtype)
     # rounded after silu and after the product, like `F.silu(gate) * up` (fused.silu_and_mul)
     act = _rnd(gate / (1.0 + tl.exp(-gate)), act_dtype)
@@ -213,8 +234,11 @@ def takes_decode_path(num_slots: int, w: torch.Tensor | QuantWeight) -> bool:
 
 
 def _magic(w: _Weight, act: torch.dtype, dequant: str) -> int:
-    """int4's 16-bit float whose mantissa takes a nibble ("magic"), where the activations and
-    the scales share a 16-bit dtype; 0: int -> fp32 conversions ("convert", any dtypes)."""
+    """int4's unpacking: MASK32 for "mask" (nibbles masked in place into fp32, any dtypes);
+    for "magic" the 16-bit float whose mantissa takes a nibble, where the activations and the
+    scales share a 16-bit dtype; 0: int -> fp32 conversions ("convert", any dtypes)."""
+    if w.fmt == INT4 and dequant == "mask":
+        return MASK32
     if w.fmt != INT4 or dequant == "convert" or w.scale.dtype != act:
         return 0
     return MAGIC16.get(act, 0)
@@ -238,7 +262,8 @@ def decode_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     """experts_reference's result (+ residual) for a few slots: x [T, H] (rows contiguous),
     weights / ids [T, k], gate_up [E, 2I, H], down [E, H, I] -> [T, H] in x's dtype; `stats`
     as in fused_moe.align_slots; `tiles` overrides the format's DEFAULT_TILES and `dequant`
-    ("magic" or "convert", same values) int4's unpacking (tests, tuning runs)."""
+    ("magic" or "convert": the same values; "mask": exact products, int4_bits.MASK32) int4's
+    unpacking."""
     # NOTE: fp fusion on (products and sums as FMAs): every rounding to the activations' dtype
     # goes through fused._rnd's integer ops, which no contraction crosses.
     t, top_k = ids.shape
@@ -257,7 +282,7 @@ def decode_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
         t * top_k, inter, gu.k, gu.k // 8, x.stride(0), *_strides(gu), TOP_K=top_k,
         COUNT=stats is not None, S_PAD=max(2, triton.next_power_of_2(t * top_k)),
         FORMAT=gu.fmt, GROUP_N=gu.group[0], GROUP_K=gu.group[1],
-        MAGIC=_magic(gu, x.dtype, dequant), BLOCK_N=tg.block_n,
+        MAGIC=_magic(gu, x.dtype, dequant), BLOCK_N=tg.block_n, JOINT=tg.joint,
         BLOCK_K=_block_k(tg, gu), num_warps=tg.num_warps, enable_fp_fusion=True,
         **pdl_args(x.device))
     res = residual if residual is not None else out
