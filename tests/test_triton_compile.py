@@ -94,8 +94,8 @@ def compile_quant_gemm(qg, moe) -> None:
 
 
 def compile_moe_decode() -> None:
-    """The decode-step experts' two kernels for bf16, int4 (bf16 scales, "magic") and fp8
-    weights, in each format's default tiles."""
+    """The decode-step experts' two kernels for bf16, int4 (bf16 scales; "mask", and "magic"
+    for gate_up) and fp8 weights, in each format's default tiles."""
     import blockspec.layers.moe_decode as md
 
     for fmt, w, s, group in ((md.DENSE, "*bf16", "*bf16", (1, 1)), (md.INT4, "*i32", "*bf16",
@@ -104,18 +104,17 @@ def compile_moe_decode() -> None:
         common = dict(FORMAT=fmt, GROUP_N=group[0], GROUP_K=group[1], TOP_K=8,
                       MAGIC=0x4300 if fmt == md.INT4 else 0)
         tg, td = md.DEFAULT_TILES[fmt]["gate_up"], md.DEFAULT_TILES[fmt]["down"]
-        variants = [(common["MAGIC"], False), (common["MAGIC"], True)]
-        if fmt == md.INT4:  # also masked in place (MASK32), with the gate/up rows apart and joint
-            variants += [(md.MASK32, False), (md.MASK32, True)]
-        for magic, joint in variants:
+        # int4: masked in place (MASK32, the default) and by the 16-bit magic float
+        for magic in (md.MASK32, 0x4300) if fmt == md.INT4 else (0,):
             kernel = compile_kernel_sm90(md._gate_up_act_kernel, dict(
                 common, MAGIC=magic, COUNT=True, S_PAD=8, BLOCK_N=tg.block_n,
-                BLOCK_K=tg.block_k, JOINT=joint), dict(
+                BLOCK_K=tg.block_k), dict(
                 x_ptr="*bf16", ids_ptr="*i64", w_ptr=w, s_ptr=s, act_ptr="*bf16",
                 stats_ptr="*i64"), num_warps=tg.num_warps, enable_fp_fusion=True)
             assert "cubin" in kernel.asm
         kernel = compile_kernel_sm90(md._down_sum_kernel, dict(
-            common, HAS_RES=True, BLOCK_N=td.block_n, BLOCK_K=td.block_k), dict(
+            common, MAGIC=md.MASK32 if fmt == md.INT4 else 0, HAS_RES=True,
+            BLOCK_N=td.block_n, BLOCK_K=td.block_k), dict(
             act_ptr="*bf16", ids_ptr="*i64", wts_ptr="*bf16", w_ptr=w, s_ptr=s,
             res_ptr="*bf16", out_ptr="*bf16"), num_warps=td.num_warps, enable_fp_fusion=True)
         assert "cubin" in kernel.asm

@@ -83,9 +83,10 @@ def test_mixed_batch_matches_torch(heads, causal):
 @pytest.mark.parametrize("heads", [16, 128])
 def test_decode_at_the_real_latent_width(heads):
     """DeepSeek-V3 / Kimi-K2's 512 + 64 latent, one token per sequence: the heuristic splits
-    the keys 4 ways (>= 64 keys each of the longest 300), so the merge runs at 512 columns."""
+    the keys 8 ways (>= MIN_KEYS_PER_SPLIT_DECODE = 32 keys each of the longest 300, a power of
+    two), so the merge runs at 512 columns."""
     q, cache, meta = make_case([1, 1, 1], [300, 1, 33], heads, 512, 64, seed=1)
-    assert TritonMLABackend().plan(3, heads, meta, 1, q.device).splits == 4
+    assert TritonMLABackend().plan(3, heads, meta, 1, q.device).splits == 8
     out = check(TritonMLABackend(), q, cache, meta)
     assert out[..., :512].abs().amax() > 0.1
 

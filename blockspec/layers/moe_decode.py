@@ -10,10 +10,11 @@ picks. Here each slot streams its expert's rows once (the slot is the fastest gr
 slots that share an expert read the same rows at about the same time, from L2), the silu and
 the weighted sum over picks (and the shared experts' output, `residual`) are fused, and the
 distinct-expert count of MoE.expert_counts is taken by the first program. Weights are bf16/fp16
-tensors [E, N, K] or quant_dequant.QuantWeight (int4 / fp8), dequantized to exactly
-quant_gemm's tile values (rounded to the activations' dtype) before the products. Products and
-sums are fp32 and round where the grouped path rounds (after silu, after the product, per
-weighted pick, once for the sum), so only the summation order differs. Grids depend on shapes
+tensors [E, N, K] or quant_dequant.QuantWeight (int4 / fp8); fp8 (and int4 unpacked "magic" or
+"convert") is dequantized to exactly quant_gemm's tile values (rounded to the activations'
+dtype) before the products, int4 unpacked "mask" (the default) multiplies exact (q - 8) * v
+and scales each word's sum. Products and sums are fp32 and round where the grouped path rounds
+(after silu, after the product, per weighted pick, once for the sum). Grids depend on shapes
 only and nothing reads back to the host: CUDA graphs capture it.
 """
 
@@ -38,21 +39,21 @@ MAX_DECODE_SLOTS = {DENSE: 8, FP8: 8, INT4: 32}
 
 
 class GemvTiles(NamedTuple):
-    """(rows per program, input columns per iteration, warps) of one kernel; `joint`: the gate
-    and up rows in one loop (gate_up only: twice the loads in flight per iteration)."""
+    """(rows per program, input columns per iteration, warps) of one kernel."""
 
     block_n: int
     block_k: int
     num_warps: int
-    joint: bool = False
 
 
-# NOTE: per weight format, the fastest tiles of `benchmarks/kernel_tune.py` on an H200 at one
-# token (Moonlight's bf16 experts, within 3% of the best; Kimi K2.6's int4 ones; fp8 takes the
-# bf16 ones, untimed).
+# NOTE: per weight format, the fastest tiles on an H200 at one token (Moonlight's bf16 experts,
+# `benchmarks/kernel_tune.py`: within 3% of the best; fp8 takes them, untimed) and Kimi K2.6's
+# int4 ones unpacked by masking (`benchmarks/decode_tune.py`): wide tiles, 1024-2048 columns an
+# iteration, keep more packed words in flight; 0.140 ms a layer against 0.188 for "magic" at its
+# best tiles, also faster at 2 and 4 tokens (docs/benchmarks.md, "MoE targets").
 _DENSE_TILES = {"gate_up": GemvTiles(4, 256, 4), "down": GemvTiles(4, 512, 8)}
 DEFAULT_TILES = {DENSE: _DENSE_TILES, FP8: _DENSE_TILES,
-                 INT4: {"gate_up": GemvTiles(8, 256, 4), "down": GemvTiles(8, 256, 4)}}
+                 INT4: {"gate_up": GemvTiles(8, 1024, 2), "down": GemvTiles(8, 2048, 4)}}
 
 
 @triton.jit
@@ -78,12 +79,13 @@ def _dot_rows(w_base, s_base, v_ptr, rows, row_ok, K, k_words, stride_wn, stride
               FORMAT: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
               MAGIC: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_K: tl.constexpr):
-    """sum_k W[rows, k] v[k] in fp32 [BLOCK_N]: W as stored, or dequantized to exactly
-    quant_gemm's tile values (rounded to ACT) before the products.
+    """sum_k W[rows, k] v[k] in fp32 [BLOCK_N]: W as stored, int4 masked in place (MAGIC
+    MASK32: exact products), or dequantized to exactly quant_gemm's tile values (rounded to ACT)
+    before the products.
 
-    NOTE: int4 as a [rows, words, 8] tile against v's [words, 8] chunk, loaded 8 values at a
-    time: 10% faster on an H200 than a [rows, words] tile against eight strided slices of v,
-    which loads v one value at a time (docs/benchmarks.md, "MoE targets")."""
+    NOTE: "magic" int4 as a [rows, words, 8] tile against v's [words, 8] chunk, loaded 8 values
+    at a time: 10% faster on an H200 than a [rows, words] tile against eight strided slices of
+    v, which loads v one value at a time (docs/benchmarks.md, "MoE targets")."""
     w_rows = w_base + rows[:, None].to(tl.int64) * stride_wn
     if FORMAT == 1 and MAGIC == 0x4B000000:  # INT4, masked in place (int4_bits.MASK32)
         acc = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
@@ -146,7 +148,7 @@ def _gate_up_act_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, act_ptr, stats_ptr, num_sl
                         TOP_K: tl.constexpr, COUNT: tl.constexpr, S_PAD: tl.constexpr,
                         FORMAT: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
                         MAGIC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        JOINT: tl.constexpr, USE_PDL: tl.constexpr = False):
+                        USE_PDL: tl.constexpr = False):
     pdl_sync(USE_PDL)
     slot = tl.program_id(0)
     expert = tl.load(ids_ptr + slot).to(tl.int64)
@@ -155,17 +157,10 @@ def _gate_up_act_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, act_ptr, stats_ptr, num_sl
     ok = rows < inter
     w_base, s_base = w_ptr + expert * stride_we, s_ptr + expert * stride_se
     act_dtype = act_ptr.dtype.element_ty
-    if JOINT:  # row pairs (gate i, up i) interleaved: one loop, same sums per row
-        r = tl.program_id(1) * BLOCK_N + tl.arange(0, 2 * BLOCK_N) // 2
-        both = _dot_rows(w_base, s_base, x_row, r + (tl.arange(0, 2 * BLOCK_N) % 2) * inter,
-                         r < inter, K, k_words, stride_wn, stride_sn, FORMAT, GROUP_N, GROUP_K,
-                         MAGIC, act_dtype, 2 * BLOCK_N, BLOCK_K)
-        gate, up = tl.split(tl.reshape(both, [BLOCK_N, 2]))
-    else:
-        gate = _dot_rows(w_base, s_base, x_row, rows, ok, K, k_words, stride_wn, stride_sn,
-                         FORMAT, GROUP_N, GROUP_K, MAGIC, act_dtype, BLOCK_N, BLOCK_K)
-        up = _dot_rows(w_base, s_base, x_row, rows + inter, ok, K, k_words, stride_wn,
-                       stride_sn, FORMAT, GROUP_N, GROUP_K, MAGIC, act_dtype, BLOCK_N, BLOCK_K)
+    gate = _dot_rows(w_base, s_base, x_row, rows, ok, K, k_words, stride_wn, stride_sn, FORMAT,
+                     GROUP_N, GROUP_K, MAGIC, act_dtype, BLOCK_N, BLOCK_K)
+    up = _dot_rows(w_base, s_base, x_row, rows + inter, ok, K, k_words, stride_wn, stride_sn,
+                   FORMAT, GROUP_N, GROUP_K, MAGIC, act_dtype, BLOCK_N, BLOCK_K)
     gate, up = _rnd(gate, act_dtype), _rnd(up, act_dtype)
     # rounded after silu and after the product, like `F.silu(gate) * up` (fused.silu_and_mul)
     act = _rnd(gate / (1.0 + tl.exp(-gate)), act_dtype)
@@ -257,13 +252,13 @@ def _block_k(tiles: GemvTiles, w: _Weight) -> int:
 def decode_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                    gate_up: torch.Tensor | QuantWeight, down: torch.Tensor | QuantWeight,
                    stats: torch.Tensor | None = None, residual: torch.Tensor | None = None,
-                   tiles: dict[str, GemvTiles] | None = None, dequant: str = "magic"
+                   tiles: dict[str, GemvTiles] | None = None, dequant: str = "mask"
                    ) -> torch.Tensor:
     """experts_reference's result (+ residual) for a few slots: x [T, H] (rows contiguous),
     weights / ids [T, k], gate_up [E, 2I, H], down [E, H, I] -> [T, H] in x's dtype; `stats`
     as in fused_moe.align_slots; `tiles` overrides the format's DEFAULT_TILES and `dequant`
-    ("magic" or "convert": the same values; "mask": exact products, int4_bits.MASK32) int4's
-    unpacking."""
+    int4's unpacking: "mask" (exact products, int4_bits.MASK32), or "magic" / "convert" (each
+    weight rounded to x's dtype first, as the grouped GEMMs do; the same values)."""
     # NOTE: fp fusion on (products and sums as FMAs): every rounding to the activations' dtype
     # goes through fused._rnd's integer ops, which no contraction crosses.
     t, top_k = ids.shape
@@ -282,7 +277,7 @@ def decode_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
         t * top_k, inter, gu.k, gu.k // 8, x.stride(0), *_strides(gu), TOP_K=top_k,
         COUNT=stats is not None, S_PAD=max(2, triton.next_power_of_2(t * top_k)),
         FORMAT=gu.fmt, GROUP_N=gu.group[0], GROUP_K=gu.group[1],
-        MAGIC=_magic(gu, x.dtype, dequant), BLOCK_N=tg.block_n, JOINT=tg.joint,
+        MAGIC=_magic(gu, x.dtype, dequant), BLOCK_N=tg.block_n,
         BLOCK_K=_block_k(tg, gu), num_warps=tg.num_warps, enable_fp_fusion=True,
         **pdl_args(x.device))
     res = residual if residual is not None else out

@@ -46,6 +46,10 @@ _MAX_Q = 2**31 - 1
 _DOT_DTYPES = {torch.float16: tl.float16, torch.bfloat16: tl.bfloat16, torch.float32: tl.float32}
 MAX_BLOCK_H = 16  # heads per program: a decode token's rows fill one 16-row tensor-core tile
 MERGE_D_BLOCK = 64  # merge columns per program: 8 programs per row block over 512 dims
+# NOTE: fewest keys per split for a decode token's rows: 32, not the generic kernel's 64 (one
+# H200, `benchmarks/decode_tune.py`: 9.3 against 11.5 us at 16 heads and context 640, 11.0
+# against 12.6 at 64 heads, equal at 4096).
+MIN_KEYS_PER_SPLIT_DECODE = 32
 
 
 @triton.jit
@@ -235,6 +239,8 @@ class TritonMLABackend:
         tiles = (triton.cdiv(num_tokens, block_q) + meta.num_seqs, 1) if flat \
             else (meta.num_seqs, triton.cdiv(max_q, block_q))
         min_keys, max_splits = split_limits(block_m)
+        if block_m <= 16:
+            min_keys = MIN_KEYS_PER_SPLIT_DECODE
         min_keys = self.split_keys or min_keys
         head_blocks = num_heads // block_h
         splits = self.num_splits or choose_num_splits(
