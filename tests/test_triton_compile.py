@@ -200,6 +200,11 @@ def main() -> int:
             w_ptr="*bf16", q_out_ptr="*bf16", entry_ptr="*bf16", eps="fp32"),
             num_warps=4, enable_fp_fusion=False)
         assert "cubin" in kernel.asm
+    import blockspec.layers.mla_absorb as ma
+
+    for block_n, block_k in ((32, 128), (8, 512)):  # q_nope @ W_UK, out @ W_UV^T (Moonlight)
+        assert "cubin" in compile_sm90(ma._absorb_kernel, dict(BLOCK_N=block_n, BLOCK_K=block_k),
+                                       dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16"))
     compile_pdl()
     print("compiled")
     return 0

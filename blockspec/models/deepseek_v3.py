@@ -22,6 +22,7 @@ from blockspec.layers.attention import AttentionMetadata, PagedAttention
 from blockspec.layers.fused import rms_norm
 from blockspec.layers.fused_moe import fused_experts
 from blockspec.layers.linear import Linear, router_logits
+from blockspec.layers.mla_absorb import absorb
 from blockspec.layers.mla_fused import mla_rope_norm
 from blockspec.layers.moe import (
     count_experts,
@@ -95,14 +96,15 @@ class MLAttention(nn.Module):
         # latent, roped k_pe] are written in place into their column slices (no concatenation).
         q_attn = x.new_empty(t, h, mla.latent_dim)
         entry = x.new_empty(t, 1, mla.latent_dim)
-        torch.bmm(q[..., :nope].transpose(0, 1), w_uk, out=q_attn[..., :rank].transpose(0, 1))
+        # NOTE: the absorbs follow the linear backend (kv_b_proj's: "triton" on a GPU)
+        absorb(q[..., :nope], w_uk.transpose(1, 2), q_attn[..., :rank], self.kv_b_proj.backend)
         norm = self.kv_a_layernorm
         mla_rope_norm(q[..., nope:], kv, positions, self.rotary.cos_cache,
                       self.rotary.sin_cache, norm.weight, norm.eps, q_attn[..., rank:], entry,
                       interleaved=mla.rope_interleave and not self.rope_rows_permuted)
         out = self.attn(q_attn, entry, entry, meta)[..., :rank]
         o = x.new_empty(t, h, mla.v_head_dim)
-        torch.bmm(out.transpose(0, 1), w_uv.transpose(1, 2), out=o.transpose(0, 1))
+        absorb(out, w_uv, o, self.kv_b_proj.backend)
         return self.o_proj(o.view(t, h * mla.v_head_dim))
 
 

@@ -1,0 +1,67 @@
+"""MLA's absorbed per-head projections for a few tokens as one Triton launch:
+
+    y[t, h, n] = sum_k x[t, h, k] * w[h, n, k]
+
+q_nope @ W_UK (w = W_UK[h] transposed: a strided view, k = the no-rope dims) and
+out @ W_UV^T (w = W_UV[h], k = the latent). At a decode step's few tokens cuBLAS runs each as a
+batched GEMM of ~3.3 us for Moonlight's 2 MB (H200, docs/benchmarks.md "MoE targets"), and as a
+non-Triton kernel it also ends the chain of programmatically launched kernels (layers/pdl.py).
+Here one program per (head, BLOCK_N outputs) loads its weight tile once (before the PDL wait:
+weights) and serves every token; products and sums in fp32, one rounding to y's dtype, like
+cuBLAS's bf16 GEMM up to summation order. More tokens than MAX_TOKENS go to torch.bmm."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from blockspec.layers.fused import _cast, _jit, tl, triton
+from blockspec.layers.pdl import pdl_args, pdl_sync
+
+MAX_TOKENS = 16  # one sequence's speculative step (block 16); more: a tensor-core GEMM wins
+_TILE = 4096  # weight values a program holds: BLOCK_N = _TILE / BLOCK_K
+
+
+@_jit
+def _absorb_kernel(x_ptr, w_ptr, y_ptr, T, N, K, stride_xt, stride_xh, stride_wh, stride_wn,
+                   stride_wk, stride_yt, stride_yh, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False):
+    h = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.arange(0, BLOCK_K)
+    w = tl.load(w_ptr + h * stride_wh + n[:, None] * stride_wn + k[None, :] * stride_wk,
+                mask=(n < N)[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
+    pdl_sync(USE_PDL)
+    for t in range(T):
+        x = tl.load(x_ptr + t * stride_xt + h * stride_xh + k, mask=k < K, other=0.0)
+        y = tl.sum(w * x.to(tl.float32)[None, :], 1)
+        tl.store(y_ptr + t * stride_yt + h * stride_yh + n, _cast(y, y_ptr.dtype.element_ty),
+                 mask=n < N)
+
+
+def _use_triton(x: torch.Tensor, backend: str) -> bool:
+    if backend != "triton" or triton is None or x.shape[0] > MAX_TOKENS:
+        return False
+    return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def absorb(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, backend: str = "torch") -> None:
+    """out[t, h, :] = w[h] @ x[t, h, :] for x [T, H, K], w [H, N, K] and out [T, H, N] (views
+    of any strides whose last dims of x and out are dense). Backend "triton" takes up to
+    MAX_TOKENS tokens into the kernel; otherwise torch.bmm."""
+    t, h, k = x.shape
+    n = w.shape[1]
+    assert w.shape == (h, n, k) and out.shape == (t, h, n)
+    if not _use_triton(x, backend):
+        torch.bmm(x.transpose(0, 1), w.transpose(1, 2), out=out.transpose(0, 1))
+        return
+    assert x.stride(2) == 1 and out.stride(2) == 1
+    if t == 0:
+        return
+    block_k = triton.next_power_of_2(k)
+    block_n = min(triton.next_power_of_2(n), max(1, _TILE // block_k))
+    _absorb_kernel[(h, triton.cdiv(n, block_n))](
+        x, w, out, t, n, k, x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2),
+        out.stride(0), out.stride(1), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+        enable_fp_fusion=False, **pdl_args(x.device))
