@@ -102,6 +102,29 @@ def test_triton_experts_give_the_same_logits(ds_path, hf):
     torch.testing.assert_close(logits, hf(torch.tensor([ids])).logits[0], **TOL)
 
 
+@torch.no_grad()
+def test_decode_step_folds_the_shared_experts(ds_path, hf, monkeypatch):
+    """A one-token step on the Triton experts takes the decode kernels with the shared experts
+    folded in (MoE.shared_fold): the whole model's logits still equal HF's."""
+    model = load_model(ds_path, ModelConfig.from_pretrained(ds_path), torch.float32, "cpu")
+    moes = [m for m in model.modules() if hasattr(m, "experts_backend")]
+    assert moes and all(m.shared_experts is not None for m in moes)
+    for m in moes:
+        m.experts_backend = "triton"
+    folds = []
+    real = type(moes[0]).shared_fold
+    monkeypatch.setattr(type(moes[0]), "shared_fold",
+                        lambda self, x, ids: folds.append(real(self, x, ids)) or folds[-1])
+    ids = prompt(24, seed=5)
+    cache = PagedCache(model)
+    (_,), _ = cache.forward([([2, 0], 0, ids[:23])])
+    assert all(f is None for f in folds)  # a prefill's slots: the grouped GEMMs
+    folds.clear()
+    (last,), _ = cache.forward([([2, 0], 23, ids[23:])])
+    assert len(folds) == len(moes) and all(f is not None for f in folds)
+    torch.testing.assert_close(last, hf(torch.tensor([ids])).logits[0, -1:], **TOL)
+
+
 def fused_copy(src: Path, dst: Path) -> Path:
     """The same checkpoint with each layer's experts in transformers 5's two fused tensors."""
     import shutil

@@ -69,7 +69,8 @@ def test_quantized_decode_experts_match_the_dequantized_reference(fmt, tiles):
 def test_fused_experts_take_the_decode_path_up_to_its_slots(monkeypatch):
     calls = []
     real = fm.decode_experts
-    monkeypatch.setattr(fm, "decode_experts", lambda *a: calls.append(a[2].numel()) or real(*a))
+    monkeypatch.setattr(fm, "decode_experts",
+                        lambda *a, **k: calls.append(a[2].numel()) or real(*a, **k))
     for t in (1, 5):
         x, w, ids, gate_up, down = dense_case(t, 2, seed=t)
         res = torch.randn_like(x)
@@ -112,3 +113,23 @@ def test_int4_masked_unpacking_matches_the_dequantized_reference(dtype):
                                                          for w in (gate_up, down)])
     tol = TOL if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(out.float(), ref, **tol)
+
+
+@pytest.mark.parametrize("shared_n", [40, 56, 24])
+def test_shared_experts_fold_into_the_routed_launches(shared_n):
+    """`shared` (the shared MLP's weights) in ceil(S / I) more slots a token: the routed result
+    plus the MLP's output, as `residual` adds it (S a multiple of I, a partial last part, and
+    fewer rows than I)."""
+    from blockspec.layers.fused import silu_and_mul
+
+    x, w, ids, gate_up, down = dense_case(3, 2, seed=shared_n)  # I = 40
+    g = torch.Generator().manual_seed(shared_n)
+    s_gu = torch.randn(2 * shared_n, x.shape[1], generator=g) / x.shape[1] ** 0.5
+    s_dn = torch.randn(x.shape[1], shared_n, generator=g) / shared_n**0.5
+    mlp = silu_and_mul(x @ s_gu.t(), use_triton=False) @ s_dn.t()
+    stats = torch.zeros(2, dtype=torch.int64)
+    out = decode_experts(x, w, ids, gate_up, down, stats=stats, tiles=SMALL, shared=(s_gu, s_dn))
+    torch.testing.assert_close(out, experts_reference(x, w, ids, gate_up, down) + mlp, **TOL)
+    expect = torch.zeros(2, dtype=torch.int64)
+    count_experts(ids, 8, expect)
+    assert stats.tolist() == expect.tolist()  # the shared slots are not counted

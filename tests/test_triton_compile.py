@@ -104,20 +104,25 @@ def compile_moe_decode() -> None:
         common = dict(FORMAT=fmt, GROUP_N=group[0], GROUP_K=group[1], TOP_K=8,
                       MAGIC=0x4300 if fmt == md.INT4 else 0)
         tg, td = md.DEFAULT_TILES[fmt]["gate_up"], md.DEFAULT_TILES[fmt]["down"]
-        # int4: masked in place (MASK32, the default) and by the 16-bit magic float
-        for magic in (md.MASK32, 0x4300) if fmt == md.INT4 else (0,):
+        # int4: masked in place (MASK32, the default) and by the 16-bit magic float; bf16
+        # also with the shared experts folded in
+        variants = [(md.MASK32, False), (0x4300, False)] if fmt == md.INT4 else [(0, False)]
+        variants += [(0, True)] if fmt == md.DENSE else []
+        for magic, shared in variants:
             kernel = compile_kernel_sm90(md._gate_up_act_kernel, dict(
                 common, MAGIC=magic, COUNT=True, S_PAD=8, BLOCK_N=tg.block_n,
-                BLOCK_K=tg.block_k), dict(
-                x_ptr="*bf16", ids_ptr="*i64", w_ptr=w, s_ptr=s, act_ptr="*bf16",
-                stats_ptr="*i64"), num_warps=tg.num_warps, enable_fp_fusion=True)
+                BLOCK_K=tg.block_k, HAS_SHARED=shared), dict(
+                x_ptr="*bf16", ids_ptr="*i64", w_ptr=w, s_ptr=s, sw_ptr="*bf16",
+                act_ptr="*bf16", stats_ptr="*i64"), num_warps=tg.num_warps,
+                enable_fp_fusion=True)
             assert "cubin" in kernel.asm
-        kernel = compile_kernel_sm90(md._down_sum_kernel, dict(
-            common, MAGIC=md.MASK32 if fmt == md.INT4 else 0, HAS_RES=True,
-            BLOCK_N=td.block_n, BLOCK_K=td.block_k), dict(
-            act_ptr="*bf16", ids_ptr="*i64", wts_ptr="*bf16", w_ptr=w, s_ptr=s,
-            res_ptr="*bf16", out_ptr="*bf16"), num_warps=td.num_warps, enable_fp_fusion=True)
-        assert "cubin" in kernel.asm
+            kernel = compile_kernel_sm90(md._down_sum_kernel, dict(
+                common, MAGIC=magic, HAS_RES=not shared, HAS_SHARED=shared,
+                BLOCK_N=td.block_n, BLOCK_K=td.block_k), dict(
+                act_ptr="*bf16", ids_ptr="*i64", wts_ptr="*bf16", w_ptr=w, s_ptr=s,
+                sd_ptr="*bf16", res_ptr="*bf16", out_ptr="*bf16"), num_warps=td.num_warps,
+                enable_fp_fusion=True)
+            assert "cubin" in kernel.asm
 
 
 def compile_pdl() -> None:

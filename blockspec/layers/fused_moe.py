@@ -230,10 +230,14 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
 def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                   gate_up: torch.Tensor, down: torch.Tensor,
                   stats: torch.Tensor | None = None,
-                  residual: torch.Tensor | None = None) -> torch.Tensor:
+                  residual: torch.Tensor | None = None,
+                  shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """experts_reference's result (+ residual, in x's dtype): for a decode step's few slots the
     GEMV kernels (moe_decode.py), else the grouped GEMMs. x [T, H], weights / ids [T, k],
-    gate_up [E, 2I, H], down [E, H, I] -> [T, H]; `stats` as in align_slots."""
+    gate_up [E, 2I, H], down [E, H, I] -> [T, H]; `stats` as in align_slots; `shared` (the
+    shared experts' weights, where moe_decode.folds_shared) as decode_experts takes it."""
     if takes_decode_path(ids.numel(), gate_up):
-        return decode_experts(x.contiguous(), weights, ids, gate_up, down, stats, residual)
+        return decode_experts(x.contiguous(), weights, ids, gate_up, down, stats, residual,
+                              shared=shared)
+    assert shared is None, "shared experts fold only into the decode path"
     return grouped_experts(x, weights, ids, gate_up, down, stats, residual)

@@ -27,7 +27,8 @@ import triton
 import triton.language as tl
 
 from blockspec.layers.fused import _cast, _rnd
-from blockspec.layers.int4_bits import MAGIC16, MASK32, _int4_dot_masked, _nibble
+from blockspec.layers.gemv_rows import _dot_rows
+from blockspec.layers.int4_bits import MAGIC16, MASK32
 from blockspec.layers.pdl import pdl_args, pdl_sync
 from blockspec.layers.quant_dequant import QuantWeight
 
@@ -57,80 +58,6 @@ DEFAULT_TILES = {DENSE: _DENSE_TILES, FP8: _DENSE_TILES,
 
 
 @triton.jit
-def _int4_weights(words, s, MAGIC: tl.constexpr, ACT: tl.constexpr):
-    """The nibbles of words [BLOCK_N, W] as [BLOCK_N, W, 8] (nibble j at [., ., j]) minus 8,
-    times their scales s [BLOCK_N, W], rounded once to ACT, in fp32. Both ways give the same
-    values ((q - 8) * scale is exact in fp32)."""
-    q = _nibble(words[:, :, None], tl.arange(0, 8)[None, None, :], MAGIC)
-    if MAGIC:
-        # NOTE: the nibble ORed into the mantissa of a 16-bit float whose ulp is 1, minus that
-        # float + 8, times the scale in ACT: int and packed 16-bit float ops, no conversions
-        # (i2f and f2bf run at a fraction of the fp32 rate and bound the GEMV otherwise).
-        bias: tl.constexpr = 136.0 if ACT == tl.bfloat16 else 1032.0
-        q = q.to(tl.int16).to(ACT, bitcast=True) - tl.full([1, 1, 1], bias, ACT)
-        w = (q * s.to(ACT)[:, :, None]).to(tl.float32)
-    else:
-        w = (q.to(tl.float32) * s.to(tl.float32)[:, :, None]).to(ACT).to(tl.float32)
-    return w
-
-
-@triton.jit
-def _dot_rows(w_base, s_base, v_ptr, rows, row_ok, K, k_words, stride_wn, stride_sn,
-              FORMAT: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
-              MAGIC: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr):
-    """sum_k W[rows, k] v[k] in fp32 [BLOCK_N]: W as stored, int4 masked in place (MAGIC
-    MASK32: exact products), or dequantized to exactly quant_gemm's tile values (rounded to ACT)
-    before the products.
-
-    NOTE: "magic" int4 as a [rows, words, 8] tile against v's [words, 8] chunk, loaded 8 values
-    at a time: 10% faster on an H200 than a [rows, words] tile against eight strided slices of
-    v, which loads v one value at a time (docs/benchmarks.md, "MoE targets")."""
-    w_rows = w_base + rows[:, None].to(tl.int64) * stride_wn
-    if FORMAT == 1 and MAGIC == 0x4B000000:  # INT4, masked in place (int4_bits.MASK32)
-        acc = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
-        s_rows = s_base + rows[:, None].to(tl.int64) * stride_sn
-        for k0 in range(0, K, BLOCK_K):
-            kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-            ok = row_ok[:, None] & (kw < k_words)[None, :]
-            words = tl.load(w_rows + kw[None, :], mask=ok, other=0)
-            s = tl.load(s_rows + (kw // (GROUP_K // 8))[None, :], mask=ok, other=0.0)
-            v = tl.load(v_ptr + kw[:, None] * 8 + tl.arange(0, 8)[None, :],
-                        mask=(kw < k_words)[:, None], other=0.0)
-            acc += _int4_dot_masked(words, s, v, BLOCK_K // 8)
-        out = tl.sum(acc, 1)
-    elif FORMAT == 1:  # INT4
-        acc = tl.zeros([BLOCK_N, BLOCK_K // 8, 8], dtype=tl.float32)
-        s_rows = s_base + rows[:, None].to(tl.int64) * stride_sn
-        for k0 in range(0, K, BLOCK_K):
-            kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-            # NOTE: K's words as an argument (K % 8 == 0 for int4), not cdiv(K, 8): Triton knows
-            # an argument divisible by 16, so the mask is constant along 16 words and the
-            # loads vectorize.
-            ok = row_ok[:, None] & (kw < k_words)[None, :]
-            words = tl.load(w_rows + kw[None, :], mask=ok, other=0)
-            s = tl.load(s_rows + (kw // (GROUP_K // 8))[None, :], mask=ok, other=0.0)
-            v = tl.load(v_ptr + kw[:, None] * 8 + tl.arange(0, 8)[None, :],
-                        mask=(kw < k_words)[:, None], other=0.0)
-            acc += _int4_weights(words, s, MAGIC, ACT) * v.to(tl.float32)[None, :, :]
-        out = tl.sum(tl.sum(acc, 2), 1)
-    else:
-        acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + tl.arange(0, BLOCK_K)
-            ok = row_ok[:, None] & (kk < K)[None, :]
-            w = tl.load(w_rows + kk[None, :], mask=ok, other=0.0).to(tl.float32)
-            if FORMAT == 2:  # FP8: the e4m3 value times its block's scale, rounded to ACT
-                s = tl.load(s_base + (rows // GROUP_N)[:, None].to(tl.int64) * stride_sn
-                            + (kk // GROUP_K)[None, :], mask=ok, other=0.0)
-                w = (w * s).to(ACT).to(tl.float32)
-            v = tl.load(v_ptr + kk, mask=kk < K, other=0.0).to(tl.float32)
-            acc += w * v[None, :]
-        out = tl.sum(acc, 1)
-    return out
-
-
-@triton.jit
 def _count_distinct(ids_ptr, stats_ptr, num_slots, S_PAD: tl.constexpr):
     """stats += (distinct experts among the slots, 1)."""
     i = tl.arange(0, S_PAD)
@@ -143,25 +70,65 @@ def _count_distinct(ids_ptr, stats_ptr, num_slots, S_PAD: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_act_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, act_ptr, stats_ptr, num_slots, inter, K,
-                        k_words, stride_xm, stride_we, stride_wn, stride_se, stride_sn,
+def _gate_up_rows(w_base, s_base, x_row, rows, ok, n, K, k_words, stride_wn, stride_sn,
+                  FORMAT: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
+                  MAGIC: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr):
+    """(gate, up) of `rows` (< n) of a [2n, K] gate_up weight, each rounded to ACT."""
+    ok = ok & (rows < n)
+    gate = _dot_rows(w_base, s_base, x_row, rows, ok, K, k_words, stride_wn, stride_sn, FORMAT,
+                     GROUP_N, GROUP_K, MAGIC, ACT, BLOCK_N, BLOCK_K)
+    up = _dot_rows(w_base, s_base, x_row, rows + n, ok, K, k_words, stride_wn, stride_sn,
+                   FORMAT, GROUP_N, GROUP_K, MAGIC, ACT, BLOCK_N, BLOCK_K)
+    return _rnd(gate, ACT), _rnd(up, ACT)
+
+
+@triton.jit
+def _routed_gate_up(x_ptr, ids_ptr, w_ptr, s_ptr, slot, rows, ok, inter, K, k_words, stride_xm,
+                    stride_we, stride_wn, stride_se, stride_sn, TOP_K: tl.constexpr,
+                    FORMAT: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
+                    MAGIC: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr):
+    """(gate, up) of routed slot `slot`: its token's row through its expert's rows."""
+    expert = tl.load(ids_ptr + slot).to(tl.int64)
+    x_row = x_ptr + (slot // TOP_K).to(tl.int64) * stride_xm
+    return _gate_up_rows(w_ptr + expert * stride_we, s_ptr + expert * stride_se, x_row, rows, ok,
+                         inter, K, k_words, stride_wn, stride_sn, FORMAT, GROUP_N, GROUP_K,
+                         MAGIC, ACT, BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def _gate_up_act_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, act_ptr, stats_ptr, num_slots,
+                        inter, K, k_words, shared_n, parts, stride_xm, stride_we, stride_wn,
+                        stride_se, stride_sn, stride_swn,
                         TOP_K: tl.constexpr, COUNT: tl.constexpr, S_PAD: tl.constexpr,
                         FORMAT: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
                         MAGIC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        USE_PDL: tl.constexpr = False):
+                        HAS_SHARED: tl.constexpr = False, USE_PDL: tl.constexpr = False):
     pdl_sync(USE_PDL)
     slot = tl.program_id(0)
-    expert = tl.load(ids_ptr + slot).to(tl.int64)
-    x_row = x_ptr + (slot // TOP_K).to(tl.int64) * stride_xm
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = rows < inter
-    w_base, s_base = w_ptr + expert * stride_we, s_ptr + expert * stride_se
     act_dtype = act_ptr.dtype.element_ty
-    gate = _dot_rows(w_base, s_base, x_row, rows, ok, K, k_words, stride_wn, stride_sn, FORMAT,
-                     GROUP_N, GROUP_K, MAGIC, act_dtype, BLOCK_N, BLOCK_K)
-    up = _dot_rows(w_base, s_base, x_row, rows + inter, ok, K, k_words, stride_wn, stride_sn,
-                   FORMAT, GROUP_N, GROUP_K, MAGIC, act_dtype, BLOCK_N, BLOCK_K)
-    gate, up = _rnd(gate, act_dtype), _rnd(up, act_dtype)
+    # NOTE: with HAS_SHARED (dense formats only), slot num_slots + t * parts + j computes rows
+    # j * inter.. of token t's shared experts' intermediate (shared_n rows; up at + shared_n).
+    if HAS_SHARED:
+        j = slot - num_slots
+        if j >= 0:
+            x_row = x_ptr + (j // parts).to(tl.int64) * stride_xm
+            gate, up = _gate_up_rows(sw_ptr, sw_ptr, x_row, (j % parts) * inter + rows, ok,
+                                     shared_n, K, k_words, stride_swn, 0, FORMAT, GROUP_N,
+                                     GROUP_K, MAGIC, act_dtype, BLOCK_N, BLOCK_K)
+        else:
+            gate, up = _routed_gate_up(x_ptr, ids_ptr, w_ptr, s_ptr, slot, rows, ok, inter, K,
+                                       k_words, stride_xm, stride_we, stride_wn, stride_se,
+                                       stride_sn, TOP_K, FORMAT, GROUP_N, GROUP_K, MAGIC,
+                                       act_dtype, BLOCK_N, BLOCK_K)
+    else:
+        gate, up = _routed_gate_up(x_ptr, ids_ptr, w_ptr, s_ptr, slot, rows, ok, inter, K,
+                                   k_words, stride_xm, stride_we, stride_wn, stride_se,
+                                   stride_sn, TOP_K, FORMAT, GROUP_N, GROUP_K, MAGIC, act_dtype,
+                                   BLOCK_N, BLOCK_K)
     # rounded after silu and after the product, like `F.silu(gate) * up` (fused.silu_and_mul)
     act = _rnd(gate / (1.0 + tl.exp(-gate)), act_dtype)
     tl.store(act_ptr + slot.to(tl.int64) * inter + rows, _cast(act * up, act_dtype), mask=ok)
@@ -171,12 +138,13 @@ def _gate_up_act_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, act_ptr, stats_ptr, num_sl
 
 
 @triton.jit
-def _down_sum_kernel(act_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, res_ptr, out_ptr, n, inter,
-                     k_words, stride_we, stride_wn, stride_se, stride_sn, stride_rm, stride_om,
+def _down_sum_kernel(act_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, sd_ptr, res_ptr, out_ptr, n, inter,
+                     k_words, num_slots, shared_n, parts, stride_we, stride_wn, stride_se,
+                     stride_sn, stride_sdn, stride_rm, stride_om,
                      TOP_K: tl.constexpr, HAS_RES: tl.constexpr, FORMAT: tl.constexpr,
                      GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, MAGIC: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     USE_PDL: tl.constexpr = False):
+                     HAS_SHARED: tl.constexpr = False, USE_PDL: tl.constexpr = False):
     pdl_sync(USE_PDL)
     tok = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -193,6 +161,15 @@ def _down_sum_kernel(act_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, res_ptr, out_ptr, 
         # NOTE: each weighted pick rounds once, the sum over picks once (run_experts' order).
         total += _rnd(acc * tl.load(wts_ptr + slot).to(tl.float32), dtype)
     out = _rnd(total, dtype)
+    if HAS_SHARED:  # the shared experts' down projection over their parts' columns
+        shared = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for j in range(parts):
+            shared += _dot_rows(sd_ptr + j * inter, sd_ptr,
+                                act_ptr + (num_slots + tok * parts + j) * inter, rows, ok,
+                                tl.minimum(inter, shared_n - j * inter), k_words, stride_sdn, 0,
+                                FORMAT, GROUP_N, GROUP_K, MAGIC, dtype, BLOCK_N, BLOCK_K)
+        # NOTE: rounded once, as the shared MLP's output, then added like a residual
+        out += _rnd(shared, dtype)
     if HAS_RES:
         out += tl.load(res_ptr + tok * stride_rm + rows, mask=ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + tok * stride_om + rows, _cast(out, dtype), mask=ok)
@@ -228,6 +205,14 @@ def takes_decode_path(num_slots: int, w: torch.Tensor | QuantWeight) -> bool:
     return num_slots <= MAX_DECODE_SLOTS[_format(w)]
 
 
+def folds_shared(num_slots: int, w: torch.Tensor | QuantWeight, shared_w: torch.Tensor) -> bool:
+    """Whether `decode_experts` takes shared experts of weight `shared_w` (gate_up [2S, H]) with
+    routed experts like `w` at `num_slots` routed slots: on the decode path, both dense in one
+    dtype. NOTE: the fold costs no launch of its own; the shared MLP's three do (GEMV, silu,
+    GEMV)."""
+    return takes_decode_path(num_slots, w) and _format(w) == DENSE and shared_w.dtype == w.dtype
+
+
 def _magic(w: _Weight, act: torch.dtype, dequant: str) -> int:
     """int4's unpacking: MASK32 for "mask" (nibbles masked in place into fp32, any dtypes);
     for "magic" the 16-bit float whose mantissa takes a nibble, where the activations and the
@@ -252,13 +237,17 @@ def _block_k(tiles: GemvTiles, w: _Weight) -> int:
 def decode_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                    gate_up: torch.Tensor | QuantWeight, down: torch.Tensor | QuantWeight,
                    stats: torch.Tensor | None = None, residual: torch.Tensor | None = None,
-                   tiles: dict[str, GemvTiles] | None = None, dequant: str = "mask"
-                   ) -> torch.Tensor:
+                   tiles: dict[str, GemvTiles] | None = None, dequant: str = "mask",
+                   shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """experts_reference's result (+ residual) for a few slots: x [T, H] (rows contiguous),
     weights / ids [T, k], gate_up [E, 2I, H], down [E, H, I] -> [T, H] in x's dtype; `stats`
     as in fused_moe.align_slots; `tiles` overrides the format's DEFAULT_TILES and `dequant`
     int4's unpacking: "mask" (exact products, int4_bits.MASK32), or "magic" / "convert" (each
-    weight rounded to x's dtype first, as the grouped GEMMs do; the same values)."""
+    weight rounded to x's dtype first, as the grouped GEMMs do; the same values).
+
+    `shared` = the shared experts' MLP weights (gate_up [2S, H], down [H, S], like the routed
+    ones in a dense format), instead of `residual`: computed by the same two launches as
+    ceil(S / I) more slots a token, added as its output would be (folds_shared)."""
     # NOTE: fp fusion on (products and sums as FMAs): every rounding to the activations' dtype
     # goes through fused._rnd's integer ops, which no contraction crosses.
     t, top_k = ids.shape
@@ -266,15 +255,22 @@ def decode_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     tiles = {**DEFAULT_TILES[gu.fmt], **(tiles or {})}
     inter, hidden = gu.n // 2, dn.n
     assert x.stride(1) == 1 and x.shape[1] == gu.k and dn.k == inter
+    s_gu, s_dn = shared if shared is not None else (x, x)
+    shared_n = s_dn.shape[1] if shared is not None else 0
+    parts = triton.cdiv(shared_n, inter)
+    if shared is not None:
+        assert gu.fmt == DENSE and residual is None and s_gu.shape == (2 * shared_n, gu.k)
+        assert s_dn.shape == (hidden, shared_n) and s_gu.stride(1) == s_dn.stride(1) == 1
     flat_ids = ids.reshape(-1).contiguous()
-    act = torch.empty(t * top_k, inter, dtype=x.dtype, device=x.device)
+    act = torch.empty(t * (top_k + parts), inter, dtype=x.dtype, device=x.device)
     out = torch.empty(t, hidden, dtype=x.dtype, device=x.device)
     if t == 0:
         return out
     tg, td = tiles["gate_up"], tiles["down"]
-    _gate_up_act_kernel[(t * top_k, triton.cdiv(inter, tg.block_n))](
-        x, flat_ids, gu.data, gu.scale, act, stats if stats is not None else flat_ids,
-        t * top_k, inter, gu.k, gu.k // 8, x.stride(0), *_strides(gu), TOP_K=top_k,
+    _gate_up_act_kernel[(t * (top_k + parts), triton.cdiv(inter, tg.block_n))](
+        x, flat_ids, gu.data, gu.scale, s_gu, act, stats if stats is not None else flat_ids,
+        t * top_k, inter, gu.k, gu.k // 8, shared_n, max(parts, 1), x.stride(0),
+        *_strides(gu), s_gu.stride(0), TOP_K=top_k, HAS_SHARED=shared is not None,
         COUNT=stats is not None, S_PAD=max(2, triton.next_power_of_2(t * top_k)),
         FORMAT=gu.fmt, GROUP_N=gu.group[0], GROUP_K=gu.group[1],
         MAGIC=_magic(gu, x.dtype, dequant), BLOCK_N=tg.block_n,
@@ -282,8 +278,9 @@ def decode_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
         **pdl_args(x.device))
     res = residual if residual is not None else out
     _down_sum_kernel[(t, triton.cdiv(hidden, td.block_n))](
-        act, flat_ids, weights.reshape(-1).contiguous(), dn.data, dn.scale, res, out, hidden,
-        inter, inter // 8, *_strides(dn), res.stride(0), out.stride(0), TOP_K=top_k,
+        act, flat_ids, weights.reshape(-1).contiguous(), dn.data, dn.scale, s_dn, res, out,
+        hidden, inter, inter // 8, t * top_k, shared_n, parts, *_strides(dn), s_dn.stride(0),
+        res.stride(0), out.stride(0), TOP_K=top_k, HAS_SHARED=shared is not None,
         HAS_RES=residual is not None, FORMAT=dn.fmt, GROUP_N=dn.group[0], GROUP_K=dn.group[1],
         MAGIC=_magic(dn, x.dtype, dequant), BLOCK_N=td.block_n, BLOCK_K=_block_k(td, dn),
         num_warps=td.num_warps, enable_fp_fusion=True, **pdl_args(x.device))

@@ -30,6 +30,7 @@ from blockspec.layers.moe import (
     select_experts,
     select_experts_softmax,
 )
+from blockspec.layers.moe_decode import folds_shared
 from blockspec.layers.norm import RMSNorm
 from blockspec.layers.rotary import RotaryEmbedding, yarn_mscale
 from blockspec.models.mla_rope_rows import permute_rope_rows, permutes_rope_at_load
@@ -135,14 +136,16 @@ class Experts(nn.Module):
                                                   moe.moe_intermediate_size))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                backend: str, stats: torch.Tensor,
-                residual: torch.Tensor | None = None) -> torch.Tensor:
+                backend: str, stats: torch.Tensor, residual: torch.Tensor | None = None,
+                shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) (+ residual, in x's dtype): the
         Triton kernels ("triton") or the torch reference; (distinct experts selected, 1) added
-        to `stats`. Quantized twins (models/quant_experts.py) take the same call."""
+        to `stats`; `shared`: the shared experts' weights, folded into the Triton kernels
+        (MoE.shared_fold). Quantized twins (models/quant_experts.py) take the same call
+        without `shared`."""
         if backend == "triton":
             return fused_experts(x, weights, ids, self.gate_up_proj, self.down_proj, stats,
-                                 residual)
+                                 residual, shared)
         count_experts(ids, self.gate_up_proj.shape[0], stats)
         return experts_reference(x, weights, ids, self.gate_up_proj, self.down_proj, residual)
 
@@ -175,11 +178,32 @@ class MoE(nn.Module):
                                           moe.num_experts_per_tok, moe.n_group, moe.topk_group,
                                           moe.norm_topk_prob, moe.routed_scaling_factor,
                                           x.dtype)
+        weights = weights.to(x.dtype)
+        fold = self.shared_fold(x, ids)
+        if fold is not None:
+            return self.experts(x, weights, ids, self.experts_backend, self.expert_counts,
+                                shared=fold)
         # NOTE: the shared experts' output is added by the routed experts' kernel (one launch
         # fewer), in x's dtype as `routed + shared` rounds.
         shared = self.shared_experts(x) if self.shared_experts is not None else None
-        return self.experts(x, weights.to(x.dtype), ids, self.experts_backend,
-                            self.expert_counts, shared)
+        return self.experts(x, weights, ids, self.experts_backend, self.expert_counts, shared)
+
+    def shared_fold(self, x: torch.Tensor, ids: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The shared experts' (gate_up, down) weights where the routed experts' decode kernels
+        compute them too (moe_decode.folds_shared: a decode step's few slots, dense experts,
+        one GPU's whole MLP); else None (the MLP runs its own launches)."""
+        mlp = self.shared_experts
+        if mlp is None or self.experts_backend != "triton" or type(self.experts) is not Experts \
+                or type(mlp) is not MLP:
+            return None
+        gu, dn = mlp.gate_up_proj, mlp.down_proj
+        if type(gu) is not Linear or type(dn) is not Linear or gu.bias is not None \
+                or dn.bias is not None:
+            return None
+        if not folds_shared(ids.numel(), self.experts.gate_up_proj, gu.weight):
+            return None
+        return gu.weight, dn.weight
 
 
 class DecoderLayer(nn.Module):
