@@ -19,7 +19,11 @@ import torch
 from blockspec.layers.fused import _cast, _jit, tl, triton
 from blockspec.layers.pdl import pdl_args, pdl_sync
 
-MAX_TOKENS = 16  # one sequence's speculative step (block 16); more: a tensor-core GEMM wins
+# NOTE: tokens up to which the kernel runs: one (a decode step's token at batch 1), where it
+# measured 2.6 against cuBLAS's 3.3 us (Moonlight, H200). With it up to 16, Moonlight's DFlash
+# at C=1 ran 4% slower (fixed blocks 8 / 16: 665 / 740 against 690 / 772 tok/s,
+# benchmarks/results/moe_2026-12-04/): its verify blocks of 8 and 16 tokens are cuBLAS's.
+MAX_TOKENS = 1
 _TILE = 4096  # weight values a program holds: BLOCK_N = _TILE / BLOCK_K
 
 
@@ -40,20 +44,21 @@ def _absorb_kernel(x_ptr, w_ptr, y_ptr, T, N, K, stride_xt, stride_xh, stride_wh
                  mask=n < N)
 
 
-def _use_triton(x: torch.Tensor, backend: str) -> bool:
-    if backend != "triton" or triton is None or x.shape[0] > MAX_TOKENS:
+def _use_triton(x: torch.Tensor, backend: str, max_tokens: int) -> bool:
+    if backend != "triton" or triton is None or x.shape[0] > max_tokens:
         return False
     return x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"
 
 
-def absorb(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, backend: str = "torch") -> None:
+def absorb(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, backend: str = "torch",
+           max_tokens: int = MAX_TOKENS) -> None:
     """out[t, h, :] = w[h] @ x[t, h, :] for x [T, H, K], w [H, N, K] and out [T, H, N] (views
     of any strides whose last dims of x and out are dense). Backend "triton" takes up to
-    MAX_TOKENS tokens into the kernel; otherwise torch.bmm."""
+    `max_tokens` tokens into the kernel; otherwise torch.bmm."""
     t, h, k = x.shape
     n = w.shape[1]
     assert w.shape == (h, n, k) and out.shape == (t, h, n)
-    if not _use_triton(x, backend):
+    if not _use_triton(x, backend, max_tokens):
         torch.bmm(x.transpose(0, 1), w.transpose(1, 2), out=out.transpose(0, 1))
         return
     assert x.stride(2) == 1 and out.stride(2) == 1
