@@ -28,6 +28,22 @@ def _int4_weights(words, s, MAGIC: tl.constexpr, ACT: tl.constexpr):
 
 
 @triton.jit
+def _int4_chunk(w_rows, s_rows, v_ptr, row_ok, k0, k_words, GROUP_K: tl.constexpr,
+                BLOCK_K: tl.constexpr):
+    """The packed words [rows, W] of columns k0.. (W = BLOCK_K / 8), their scales [rows, W] and
+    v's values [W, 8] (value j of word w at [w, j])."""
+    kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    # NOTE: K's words as an argument (K % 8 == 0 for int4), not cdiv(K, 8): Triton knows an
+    # argument divisible by 16, so the mask is constant along 16 words and the loads vectorize.
+    ok = row_ok[:, None] & (kw < k_words)[None, :]
+    words = tl.load(w_rows + kw[None, :], mask=ok, other=0)
+    s = tl.load(s_rows + (kw // (GROUP_K // 8))[None, :], mask=ok, other=0.0)
+    v = tl.load(v_ptr + kw[:, None] * 8 + tl.arange(0, 8)[None, :], mask=(kw < k_words)[:, None],
+                other=0.0)
+    return words, s, v
+
+
+@triton.jit
 def _dot_rows(w_base, s_base, v_ptr, rows, row_ok, K, k_words, stride_wn, stride_sn,
               FORMAT: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
               MAGIC: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -40,33 +56,22 @@ def _dot_rows(w_base, s_base, v_ptr, rows, row_ok, K, k_words, stride_wn, stride
     at a time: 10% faster on an H200 than a [rows, words] tile against eight strided slices of
     v, which loads v one value at a time (docs/benchmarks.md, "MoE targets")."""
     w_rows = w_base + rows[:, None].to(tl.int64) * stride_wn
-    if FORMAT == 1 and MAGIC == 0x4B000000:  # INT4, masked in place (int4_bits.MASK32)
-        acc = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
+    if FORMAT == 1:  # INT4
         s_rows = s_base + rows[:, None].to(tl.int64) * stride_sn
-        for k0 in range(0, K, BLOCK_K):
-            kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-            ok = row_ok[:, None] & (kw < k_words)[None, :]
-            words = tl.load(w_rows + kw[None, :], mask=ok, other=0)
-            s = tl.load(s_rows + (kw // (GROUP_K // 8))[None, :], mask=ok, other=0.0)
-            v = tl.load(v_ptr + kw[:, None] * 8 + tl.arange(0, 8)[None, :],
-                        mask=(kw < k_words)[:, None], other=0.0)
-            acc += _int4_dot_masked(words, s, v, BLOCK_K // 8)
-        out = tl.sum(acc, 1)
-    elif FORMAT == 1:  # INT4
-        acc = tl.zeros([BLOCK_N, BLOCK_K // 8, 8], dtype=tl.float32)
-        s_rows = s_base + rows[:, None].to(tl.int64) * stride_sn
-        for k0 in range(0, K, BLOCK_K):
-            kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-            # NOTE: K's words as an argument (K % 8 == 0 for int4), not cdiv(K, 8): Triton knows
-            # an argument divisible by 16, so the mask is constant along 16 words and the
-            # loads vectorize.
-            ok = row_ok[:, None] & (kw < k_words)[None, :]
-            words = tl.load(w_rows + kw[None, :], mask=ok, other=0)
-            s = tl.load(s_rows + (kw // (GROUP_K // 8))[None, :], mask=ok, other=0.0)
-            v = tl.load(v_ptr + kw[:, None] * 8 + tl.arange(0, 8)[None, :],
-                        mask=(kw < k_words)[:, None], other=0.0)
-            acc += _int4_weights(words, s, MAGIC, ACT) * v.to(tl.float32)[None, :, :]
-        out = tl.sum(tl.sum(acc, 2), 1)
+        if MAGIC == 0x4B000000:  # masked in place (int4_bits.MASK32): a [rows, words] sum
+            acc = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                words, s, v = _int4_chunk(w_rows, s_rows, v_ptr, row_ok, k0, k_words, GROUP_K,
+                                          BLOCK_K)
+                acc += _int4_dot_masked(words, s, v, BLOCK_K // 8)
+            out = tl.sum(acc, 1)
+        else:
+            acc = tl.zeros([BLOCK_N, BLOCK_K // 8, 8], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                words, s, v = _int4_chunk(w_rows, s_rows, v_ptr, row_ok, k0, k_words, GROUP_K,
+                                          BLOCK_K)
+                acc += _int4_weights(words, s, MAGIC, ACT) * v.to(tl.float32)[None, :, :]
+            out = tl.sum(tl.sum(acc, 2), 1)
     else:
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
         for k0 in range(0, K, BLOCK_K):
