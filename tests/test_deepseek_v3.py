@@ -114,7 +114,7 @@ def test_decode_step_folds_the_shared_experts(ds_path, hf, monkeypatch):
     folds = []
     real = type(moes[0]).shared_fold
     monkeypatch.setattr(type(moes[0]), "shared_fold",
-                        lambda self, x, ids: folds.append(real(self, x, ids)) or folds[-1])
+                        lambda self, ids: folds.append(real(self, ids)) or folds[-1])
     ids = prompt(24, seed=5)
     cache = PagedCache(model)
     (_,), _ = cache.forward([([2, 0], 0, ids[:23])])

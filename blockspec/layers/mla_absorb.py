@@ -1,9 +1,9 @@
-"""MLA's absorbed per-head projections for a few tokens as one Triton launch:
+"""MLA's absorbed per-head projections of a decode step's few tokens as one Triton launch:
 
     y[t, h, n] = sum_k x[t, h, k] * w[h, n, k]
 
 q_nope @ W_UK (w = W_UK[h] transposed: a strided view, k = the no-rope dims) and
-out @ W_UV^T (w = W_UV[h], k = the latent). At a decode step's few tokens cuBLAS runs each as a
+out @ W_UV^T (w = W_UV[h], k = the latent). At a decode step's token cuBLAS runs each as a
 batched GEMM of ~3.3 us for Moonlight's 2 MB (H200, docs/benchmarks.md "MoE targets"), and as a
 non-Triton kernel it also ends the chain of programmatically launched kernels (layers/pdl.py).
 Here one program per (head, BLOCK_N outputs) loads its weight tile once (before the PDL wait:

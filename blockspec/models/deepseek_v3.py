@@ -179,7 +179,7 @@ class MoE(nn.Module):
                                           moe.norm_topk_prob, moe.routed_scaling_factor,
                                           x.dtype)
         weights = weights.to(x.dtype)
-        fold = self.shared_fold(x, ids)
+        fold = self.shared_fold(ids)
         if fold is not None:
             return self.experts(x, weights, ids, self.experts_backend, self.expert_counts,
                                 shared=fold)
@@ -188,8 +188,7 @@ class MoE(nn.Module):
         shared = self.shared_experts(x) if self.shared_experts is not None else None
         return self.experts(x, weights, ids, self.experts_backend, self.expert_counts, shared)
 
-    def shared_fold(self, x: torch.Tensor, ids: torch.Tensor
-                    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def shared_fold(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The shared experts' (gate_up, down) weights where the routed experts' decode kernels
         compute them too (moe_decode.folds_shared: a decode step's few slots, dense experts,
         one GPU's whole MLP); else None (the MLP runs its own launches)."""
