@@ -34,7 +34,10 @@ _jit = triton.jit if triton is not None else (lambda fn: fn)
 
 @functools.cache
 def _capable(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 9
+    """sm90+, and a Triton with grid-dependency control (3.3 and later: older ones would
+    refuse the `launch_pdl` keyword)."""
+    cuda = getattr(getattr(tl, "extra", None), "cuda", None)
+    return hasattr(cuda, "gdc_wait") and torch.cuda.get_device_capability(index)[0] >= 9
 
 
 def pdl_enabled(device: torch.device) -> bool:
