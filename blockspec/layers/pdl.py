@@ -8,12 +8,13 @@ until its writes are visible.
 
 NOTE (the invariant every kernel that takes USE_PDL keeps): `pdl_sync` runs before the
 program's first store and its first load of anything a kernel writes (only weights, which no
-kernel writes, may load before it: the GEMV's first tile), so a kernel never races its
-predecessor; and since a kernel's wait returns only once its predecessor has
-completed, whose own wait returned only once *its* predecessor had, the order is transitive
+kernel writes, may load before it: the GEMV's first tile, the absorbs' weight tiles), so a
+kernel never races its predecessor; and since a kernel's wait returns only once its predecessor
+has completed, whose own wait returned only once *its* predecessor had, the order is transitive
 along the stream. Kernels without PDL (cuBLAS, torch ops) run in plain stream order.
 
-`BLOCKSPEC_PDL=0` turns it off (on by default on compute capability 9.0 and up).
+`BLOCKSPEC_PDL=0` turns it off (on by default on compute capability 9.0 and up, with a Triton
+that has it).
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ def _capable(index: int) -> bool:
 
 
 def pdl_enabled(device: torch.device) -> bool:
-    """Whether kernels on `device` launch with PDL: CUDA, sm90+, not turned off by
-    BLOCKSPEC_PDL=0."""
+    """Whether kernels on `device` launch with PDL: CUDA, sm90+ (and Triton 3.3+), not turned
+    off by BLOCKSPEC_PDL=0."""
     if device.type != "cuda" or os.environ.get("BLOCKSPEC_PDL", "1") == "0":
         return False
     return _capable(device.index if device.index is not None else torch.cuda.current_device())
