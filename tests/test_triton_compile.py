@@ -94,8 +94,8 @@ def compile_quant_gemm(qg, moe) -> None:
 
 
 def compile_moe_decode() -> None:
-    """The decode-step experts' two kernels for bf16, int4 (bf16 scales; "mask", and "magic"
-    for gate_up) and fp8 weights, in each format's default tiles."""
+    """The decode-step experts' two kernels for bf16 (also with the shared experts folded in),
+    int4 (bf16 scales; "mask" and "magic") and fp8 weights, in each format's default tiles."""
     import blockspec.layers.moe_decode as md
 
     for fmt, w, s, group in ((md.DENSE, "*bf16", "*bf16", (1, 1)), (md.INT4, "*i32", "*bf16",
