@@ -260,9 +260,10 @@ class LLMEngine:
     def _step(self, chosen_block_len: int | None = None) -> list[RequestOutput]:
         """A synchronous step; `chosen_block_len`: the policy's choice made for it already."""
         t0 = time.perf_counter()
-        lookahead = self.runner.planner.next_budget_lookahead(*self.scheduler.mixed_load())
+        load = self.scheduler.load()
+        lookahead = self.runner.planner.next_budget_lookahead(*self.scheduler.mixed_load(load))
         sched = self.scheduler.schedule(
-            budget_lookahead=min(lookahead, self.scheduler.num_lookahead_slots))
+            budget_lookahead=min(lookahead, self.scheduler.num_lookahead_slots), load=load)
         if not sched:
             return []
         t1 = time.perf_counter()

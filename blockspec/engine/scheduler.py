@@ -97,20 +97,21 @@ class Scheduler:
         """Extra K/V slots a decoding sequence (one uncomputed token) needs for its drafts."""
         return self.num_lookahead_slots if remaining == 1 else 0
 
-    def schedule(self, budget_lookahead: int | None = None) -> SchedulerOutput:
+    def schedule(self, budget_lookahead: int | None = None,
+                 load: tuple[int, int] | None = None) -> SchedulerOutput:
         """`budget_lookahead`: lookahead tokens a decoding sequence counts against the step's
         token budget (at most num_lookahead_slots, the default, whose K/V blocks are allocated
         regardless): the engine lowers it when the next step will likely decode plainly, so
         prefill chunks are not cut for drafts that will not run. NOTE: the runner then verifies
         at most budget_lookahead + 1 tokens per sequence in a step that also prefills
-        (StepPlanner.budget_block_len)."""
+        (StepPlanner.budget_block_len). `load`: `self.load()` if the caller took it already."""
         if budget_lookahead is None:
             budget_lookahead = self.num_lookahead_slots
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
         prefill = budget  # NOTE: prefill chunks beside decodes delay every stream
         if self.decode_step_prefill_tokens != 0:
-            decoding, pending = self._load()
+            decoding, pending = load or self.load()
             decode_tokens = decoding * self._decode_cost(budget_lookahead)
             prefill = decode_prefill_budget(self.decode_step_prefill_tokens, decoding, budget,
                                             pending, decode_tokens, self.step_token_buckets)
@@ -120,20 +121,25 @@ class Scheduler:
             self._admit_waiting(out, budget, prefill)
         return out
 
-    def mixed_load(self) -> tuple[int, int]:
+    def mixed_load(self, load: tuple[int, int] | None = None) -> tuple[int, int]:
         """(decoding sequences, prompt tokens the next step takes beside them) where the auto
         prefill cap shapes that step (before its graph bucket is filled: the block length is
-        not chosen yet), else (0, 0): nothing prefills beside a decode, or the cap is not auto."""
+        not chosen yet), else (0, 0): nothing prefills beside a decode, or the cap is not auto.
+        `load`: `self.load()` if the caller took it already."""
         if self.decode_step_prefill_tokens is not None:
             return 0, 0
-        decoding, pending = self._load()
+        decoding, pending = load or self.load()
         if not decoding or not pending:
             return 0, 0
         cap = decode_prefill_budget(None, decoding, self.max_num_batched_tokens, pending)
         return decoding, min(cap, pending)
 
-    def _load(self) -> tuple[int, int]:
-        """(decoding sequences, prompt tokens left to prefill, running and waiting)."""
+    def load(self) -> tuple[int, int]:
+        """(decoding sequences, prompt tokens left to prefill, running and waiting), what the
+        prefill cap reads ((0, 0) without a cap: no walk): one walk of both lists, which
+        `mixed_load` and `schedule` take from a caller that needs both."""
+        if self.decode_step_prefill_tokens == 0:
+            return 0, 0
         left = [s.num_tokens - s.num_computed_tokens for s in self.running]
         pending = sum(n for n in left if n > 1) \
             + sum(s.num_tokens - s.num_computed_tokens for s in self.waiting)
