@@ -63,13 +63,39 @@ def _routing(t: int, e: int, k: int, layers: int, dev: torch.device) -> list[tup
     return [(ids, torch.rand(t, k, device=dev, generator=g).to(torch.bfloat16)) for ids in picks]
 
 
+def _decode_all(calls: list[tuple], tiles: dict | None, dequant: str) -> list:
+    import blockspec.layers.moe_decode as md
+
+    return [md.decode_experts(*c, tiles=tiles, dequant=dequant) for c in calls]
+
+
+def _decode_ms(x: torch.Tensor, routes: list[tuple], weights: list[tuple], tiles: dict | None,
+               dequant: str) -> float:
+    """ms per layer of the decode experts over every layer's routes and weights."""
+    calls = [(x, wt, ids, g, d) for (ids, wt), (g, d) in zip(routes, weights)]
+    return graph_ms(partial(_decode_all, calls, tiles, dequant)) / len(calls)
+
+
+def _grouped(quant: bool) -> Callable:
+    """The grouped GEMMs: the outputs the decode experts are checked against."""
+    import blockspec.layers.fused_moe as fm
+    import blockspec.layers.quant_gemm as qg
+
+    # NOTE: explicit tiles keep fused_experts_quant on the grouped GEMMs at any size
+    return partial(qg.fused_experts_quant, tiles=qg.DEFAULT_TILES["int4"]) if quant \
+        else fm.grouped_experts
+
+
+def _rel_diff(got: torch.Tensor, ref: torch.Tensor) -> float:
+    """max |got - ref| / max |ref|."""
+    return ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+
+
 def sweep_decode_experts(name: str, layers: int, dev: torch.device,
                          log: Callable[[str], None] = print) -> dict:
     """Every DECODE_GRID tile of each kernel (the other at its default) at 1 token, then the
     best pair against the grouped GEMMs at 1, 2, 4 tokens; ms per layer."""
-    import blockspec.layers.fused_moe as fm
     import blockspec.layers.moe_decode as md
-    import blockspec.layers.quant_gemm as qg
 
     shape = EXPERT_SHAPES[name]
     e, h, i, k, quant = shape
@@ -77,14 +103,9 @@ def sweep_decode_experts(name: str, layers: int, dev: torch.device,
     x = torch.randn(4, h, device=dev, dtype=torch.bfloat16)
 
     def decode(t: int, tiles: dict | None, dequant: str = "magic") -> float:
-        routes = _routing(t, e, k, layers, dev)
-        return graph_ms(lambda: [md.decode_experts(x[:t], w, ids, gu, dn, tiles=tiles,
-                                                   dequant=dequant)
-                                 for (ids, w), (gu, dn) in zip(routes, weights)]) / layers
+        return _decode_ms(x[:t], _routing(t, e, k, layers, dev), weights, tiles, dequant)
 
-    # NOTE: explicit tiles keep fused_experts_quant on the grouped GEMMs at any size
-    run = (lambda *a: qg.fused_experts_quant(*a, tiles=qg.DEFAULT_TILES["int4"])) if quant \
-        else fm.grouped_experts
+    run = _grouped(quant)
 
     def grouped(t: int) -> float:
         routes = _routing(t, e, k, layers, dev)
@@ -113,9 +134,8 @@ def sweep_decode_experts(name: str, layers: int, dev: torch.device,
     for t in (1, 2, 4):
         row = {"tokens": t, "decode_ms": decode(t, tiles), "grouped_ms": grouped(t)}
         (ids, w), (gu, dn) = _routing(t, e, k, 1, dev)[0], weights[0]
-        ref = run(x[:t], w, ids, gu, dn).float()
-        diff = (md.decode_experts(x[:t], w, ids, gu, dn, tiles=tiles).float() - ref).abs().max()
-        row["max_rel_diff_vs_grouped"] = (diff / ref.abs().max()).item()
+        row["max_rel_diff_vs_grouped"] = _rel_diff(
+            md.decode_experts(x[:t], w, ids, gu, dn, tiles=tiles), run(x[:t], w, ids, gu, dn))
         res["by_tokens"].append(row)
         log(f"{name} T={t}: decode {row['decode_ms']:.4f} ms/layer, grouped "
             f"{row['grouped_ms']:.4f}, max rel diff {row['max_rel_diff_vs_grouped']:.1e}")
@@ -130,28 +150,21 @@ WIDE_GRID = {"int4": [(4, 1024, 4), (8, 256, 4), (8, 512, 4), (8, 1024, 4), (8, 
                       (2, 1024, 4), (4, 1024, 8), (8, 1024, 8), (2, 2048, 4)]}
 
 
-def _decode_all(calls: list[tuple], tiles: dict | None, dequant: str) -> list:
-    import blockspec.layers.moe_decode as md
-
-    return [md.decode_experts(*c, tiles=tiles, dequant=dequant) for c in calls]
-
-
 def sweep_wide(name: str, layers: int, dev: torch.device, dequants: tuple[str, ...],
                log: Callable[[str], None] = print) -> dict:
     """WIDE_GRID per kernel (the other at its default) and unpacking at 1 token; then each
     unpacking's best pair at 1, 2, 4 tokens against the defaults, ms per layer, and the max
     |diff| / max |grouped GEMMs| of its output."""
     import blockspec.layers.moe_decode as md
-    import blockspec.layers.quant_gemm as qg
 
     e, h, i, k, quant = EXPERT_SHAPES[name]
     weights = _experts(EXPERT_SHAPES[name], layers, dev)
     x = torch.randn(4, h, device=dev, dtype=torch.bfloat16)
     routes = {t: _routing(t, e, k, layers, dev) for t in (1, 2, 4)}
+    run = _grouped(quant)
 
     def time(t: int, tiles: dict | None, dequant: str) -> float:
-        calls = [(x[:t], wt, ids, g, d) for (ids, wt), (g, d) in zip(routes[t], weights)]
-        return graph_ms(partial(_decode_all, calls, tiles, dequant)) / layers
+        return _decode_ms(x[:t], routes[t], weights, tiles, dequant)
 
     res: dict = {"layers": layers, "by_tiles": [], "best": []}
     for dequant in dequants:
@@ -170,23 +183,15 @@ def sweep_wide(name: str, layers: int, dev: torch.device, dequants: tuple[str, .
                 f"{rows[best[kernel]]:.4f} ms/layer")
         for t in (1, 2, 4):
             (ids, wt), (g, d) = routes[t][0], weights[0]
-            ref = (qg.fused_experts_quant(x[:t], wt, ids, g, d, tiles=qg.DEFAULT_TILES["int4"])
-                   if quant else fm_grouped(x[:t], wt, ids, g, d)).float()
-            got = md.decode_experts(x[:t], wt, ids, g, d, tiles=best, dequant=dequant).float()
+            got = md.decode_experts(x[:t], wt, ids, g, d, tiles=best, dequant=dequant)
             row = {"dequant": dequant, "tokens": t, "tiles": {kn: list(v) for kn, v in
                                                               best.items()},
                    "ms": time(t, best, dequant), "default_ms": time(t, None, "mask"),
-                   "max_rel_diff_vs_grouped": ((got - ref).abs().max() / ref.abs().max()).item()}
+                   "max_rel_diff_vs_grouped": _rel_diff(got, run(x[:t], wt, ids, g, d))}
             res["best"].append(row)
             log(f"{name} {dequant} T={t}: best {row['ms']:.4f} ms/layer, default "
                 f"{row['default_ms']:.4f}, rel diff {row['max_rel_diff_vs_grouped']:.1e}")
     return res
-
-
-def fm_grouped(*args) -> torch.Tensor:
-    import blockspec.layers.fused_moe as fm
-
-    return fm.grouped_experts(*args)
 
 
 def _gemv_row(n: int, k: int, dev: torch.device) -> dict:
