@@ -5,9 +5,9 @@ For each target (random weights, `load_format=dummy`): Moonlight-16B-A3B's shape
 Kimi-K2.6-width slice with INT4 experts (benchmarks/moe_bench.py's) and optionally the dense
 Qwen3-8B shape, one engine is started and its AR decode step (batch 1, context 640) is captured
 again into a CUDA graph with the Triton kernels launched with PDL and without (BLOCKSPEC_PDL,
-read at capture). Each: median graph replay of 50 (after 5), its ratio to the step's bytes floor
-at the measured copy bandwidth, and whether its logits equal the first capture's bit for bit
-(PDL changes no arithmetic, so a difference is a race).
+read at capture). Each: median graph replay of 50 (after 5, gpu_timing.replay_ms), its ratio
+to the step's bytes floor at the measured copy bandwidth, and whether its logits equal the first
+capture's bit for bit (PDL changes no arithmetic, so a difference is a race).
 
 Usage: python benchmarks/step_ab.py --out FILE.json [--qwen3] [--skip moonlight,kimi_int4]
 """
@@ -27,7 +27,7 @@ import torch
 from blockspec import LLM
 from blockspec.bench.common import git_commit, recorded_command
 from blockspec.bench.fullsize import INPUT_LEN
-from blockspec.bench.gpu_timing import copy_bandwidth, floor_bytes, free
+from blockspec.bench.gpu_timing import copy_bandwidth, floor_bytes, free, replay_ms
 from blockspec.bench.moe_shapes import (
     KIMI_INT4,
     MOONLIGHT,
@@ -41,29 +41,23 @@ from blockspec.engine.decode_step import GraphedDecodeStep
 CTX = INPUT_LEN + 128
 
 
-def variant(llm: LLM, pdl: bool, iters: int = 50) -> tuple[float, torch.Tensor]:
+def variant(llm: LLM, pdl: bool) -> tuple[float, torch.Tensor]:
     """(median replay ms, logits) of the batch-1 AR step captured with or without PDL."""
     os.environ["BLOCKSPEC_PDL"] = "1" if pdl else "0"
     runner = llm.engine.runner
     bufs = runner.bufs
+    # NOTE: the capture's warm-up steps run on these inputs too (their KV goes to the trash
+    # block), as the replays do
     bufs.block_tables.fill_(runner.trash_block)
     bufs.ctx_lens[:1].fill_(CTX)
     bufs.last_tokens[:1].fill_(1234)
     graph = GraphedDecodeStep(runner.steps[1], bufs, [1])
     graph.capture()
-    times = []
-    for i in range(iters + 5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        out = graph.replay(1)
-        b.record()
-        b.synchronize()
-        if i >= 5:
-            times.append(a.elapsed_time(b))
-    logits = out.logits[:1].clone()
+    ms = replay_ms(llm, 1, CTX, graphs=graph)
+    logits = graph.outputs[1].logits[:1].clone()
     del graph
     free()
-    return sorted(times)[len(times) // 2], logits
+    return ms, logits
 
 
 def target_ab(name: str, llm: LLM, floor: float, bw: float) -> dict:

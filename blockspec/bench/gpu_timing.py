@@ -13,6 +13,7 @@ import torch
 
 if TYPE_CHECKING:
     from blockspec import LLM
+    from blockspec.engine.decode_step import GraphedDecodeStep
 
 __all__ = ["copy_bandwidth", "floor_bytes", "free", "graph_ms", "replay_ms"]
 
@@ -78,9 +79,12 @@ def floor_bytes(llm: LLM, context: int) -> int:
     return weights + kv
 
 
-def replay_ms(llm: LLM, n: int, context: int, iters: int = 50) -> float:
-    """Median time of one graph replay of the decode step for `n` sequences at `context`."""
+def replay_ms(llm: LLM, n: int, context: int, iters: int = 50,
+              graphs: GraphedDecodeStep | None = None) -> float:
+    """Median time of one graph replay of the decode step for `n` sequences at `context`
+    (`graphs`: a GraphedDecodeStep over the runner's buffers; default, the runner's own)."""
     runner = llm.engine.runner
+    graphs = graphs if graphs is not None else runner.graphs
     bufs = runner.bufs
     bufs.block_tables.fill_(runner.trash_block)
     bufs.ctx_lens[:n].fill_(context)
@@ -88,7 +92,7 @@ def replay_ms(llm: LLM, n: int, context: int, iters: int = 50) -> float:
     for i in range(iters + 5):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        runner.graphs.replay(n)
+        graphs.replay(n)
         b.record()
         b.synchronize()
         if i >= 5:
