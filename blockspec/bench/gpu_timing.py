@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -15,13 +16,27 @@ if TYPE_CHECKING:
     from blockspec import LLM
     from blockspec.engine.decode_step import GraphedDecodeStep
 
-__all__ = ["copy_bandwidth", "floor_bytes", "free", "graph_ms", "replay_ms"]
+__all__ = ["copy_bandwidth", "event_times", "floor_bytes", "free", "graph_ms", "replay_ms"]
 
 
 def free() -> None:
     """Call after dropping the last reference to an engine."""
     gc.collect()
     torch.cuda.empty_cache()
+
+
+def event_times(fn: Callable[[], object], iters: int, warmup: int) -> list[float]:
+    """Device ms of each of `iters` calls of `fn` (CUDA events around it), after `warmup`."""
+    times = []
+    for i in range(iters + warmup):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        if i >= warmup:
+            times.append(a.elapsed_time(b))
+    return times
 
 
 def graph_ms(fn: Callable[[], object], iters: int = 20) -> float:
@@ -35,37 +50,17 @@ def graph_ms(fn: Callable[[], object], iters: int = 20) -> float:
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         fn()
-    for _ in range(3):
-        g.replay()
-    times = []
-    for _ in range(iters):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return float(np.median(times))
+    return float(np.median(event_times(g.replay, iters, warmup=3)))
 
 
 def copy_bandwidth() -> float:
     """Device copy bandwidth in bytes/s (bytes read + written), median of 20 copies of 2 GiB."""
     x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
-    for _ in range(3):
-        y.copy_(x)
-    times = []
-    for _ in range(20):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        y.copy_(x)
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3)
-    times.sort()
+    times = sorted(event_times(partial(y.copy_, x), 20, warmup=3))
     del x, y
     free()
-    return 2 * (2 << 30) / times[len(times) // 2]
+    return 2 * (2 << 30) / (times[len(times) // 2] / 1e3)
 
 
 def floor_bytes(llm: LLM, context: int) -> int:
@@ -88,14 +83,5 @@ def replay_ms(llm: LLM, n: int, context: int, iters: int = 50,
     bufs = runner.bufs
     bufs.block_tables.fill_(runner.trash_block)
     bufs.ctx_lens[:n].fill_(context)
-    times = []
-    for i in range(iters + 5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graphs.replay(n)
-        b.record()
-        b.synchronize()
-        if i >= 5:
-            times.append(a.elapsed_time(b))
-    times.sort()
+    times = sorted(event_times(lambda: graphs.replay(n), iters, warmup=5))
     return times[len(times) // 2]

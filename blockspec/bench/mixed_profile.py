@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from blockspec import LLM, SamplingParams
+from blockspec.bench.gpu_timing import event_times
 from blockspec.engine.flat_batch import FlatBatch
 from blockspec.engine.flat_step import GraphedFlatStep, flat_buckets, short_query_len
 from blockspec.engine.kv_cache import BlockManager
@@ -101,16 +102,7 @@ def time_ms(fn: Callable[[], object], iters: int = 20, warmup: int = 3) -> float
 
 def replay_ms(graphs: GraphedFlatStep, bucket: int, short: int, iters: int = 20) -> float:
     """Median device time of one replay of the flat step's graph (buffers as filled)."""
-    times = []
-    for i in range(iters + 3):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graphs.replay(bucket, short)
-        b.record()
-        b.synchronize()
-        if i >= 3:
-            times.append(a.elapsed_time(b))
-    return float(np.median(times))
+    return float(np.median(event_times(lambda: graphs.replay(bucket, short), iters, warmup=3)))
 
 
 def bucket_curve(state: MixedState, width: int, buckets: list[int],
