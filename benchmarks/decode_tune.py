@@ -1,9 +1,10 @@
 """Wider tiles for the decode-step experts and launch configs for MLA decode attention, one GPU,
 one run (issues 21 and 23): blockspec/bench/kernel_tune.py's `sweep_wide` (Moonlight's bf16
-experts; Kimi K2.6's int4 ones, "magic" and "mask" unpacking) and blockspec/bench/mla_tune.py's
-`sweep_mla` (16 heads at contexts 640 and 4096, 64 heads at 640).
+experts; Kimi K2.6's int4 ones, "magic" and "mask" unpacking), its `sweep_split` (the down
+kernel one program per pick, both) and blockspec/bench/mla_tune.py's `sweep_mla` (16 heads at
+contexts 640 and 4096, 64 heads at 640).
 
-Usage: python benchmarks/decode_tune.py --out FILE.json [--skip experts,mla]
+Usage: python benchmarks/decode_tune.py --out FILE.json [--skip experts,mla,split]
 """
 
 from __future__ import annotations
@@ -17,14 +18,14 @@ from pathlib import Path
 import torch
 
 from blockspec.bench.common import git_commit, recorded_command
-from blockspec.bench.kernel_tune import sweep_wide
+from blockspec.bench.kernel_tune import sweep_split, sweep_wide
 from blockspec.bench.mla_tune import sweep_mla
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--skip", default="", help="experts,mla")
+    ap.add_argument("--skip", default="", help="experts,mla,split")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     dev, out = torch.device("cuda"), Path(args.out)
@@ -46,6 +47,11 @@ def main() -> int:
         torch.cuda.empty_cache()
         res["experts_moonlight_bf16"] = sweep_wide("moonlight_bf16", 4, dev, ("magic",))
         save()
+    if "split" not in skip:
+        for name, layers in (("kimi_int4", 2), ("moonlight_bf16", 4)):
+            res[f"split_down_{name}"] = sweep_split(name, layers, dev)
+            save()
+            torch.cuda.empty_cache()
     return 0
 
 

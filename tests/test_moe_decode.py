@@ -133,3 +133,30 @@ def test_shared_experts_fold_into_the_routed_launches(shared_n):
     expect = torch.zeros(2, dtype=torch.int64)
     count_experts(ids, 8, expect)
     assert stats.tolist() == expect.tolist()  # the shared slots are not counted
+
+
+SPLIT = {"gate_up": SMALL["gate_up"], "down": SMALL["down"]._replace(split=True)}
+
+
+@pytest.mark.parametrize("case", ["dense", "residual", "shared", "int4"])
+def test_split_down_equals_the_looping_kernel_bit_for_bit(case):
+    """tiles.split (one program per pick, the last to arrive sums: moe_down_split.py) gives the
+    looping kernel's output exactly, and leaves its arrival counters zero."""
+    from blockspec.layers.moe_down_split import arrival_locks
+
+    x, w, ids, gate_up, down = dense_case(3, 4, seed=21)
+    kw = {}
+    if case == "residual":
+        kw["residual"] = torch.randn_like(x)
+    elif case == "shared":  # 56 rows: one whole part of I = 40 and a partial one
+        g = torch.Generator().manual_seed(2)
+        kw["shared"] = (torch.randn(112, x.shape[1], generator=g) / 9,
+                        torch.randn(x.shape[1], 56, generator=g) / 8)
+    elif case == "int4":
+        g = torch.Generator().manual_seed(4)
+        gate_up, down = int4((8, 128), 96, 32, g), int4((8, 96), 64, 32, g)
+        x = x[:, :1].repeat(1, 96)
+    loop = decode_experts(x, w, ids, gate_up, down, tiles=SMALL, **kw)
+    split = decode_experts(x, w, ids, gate_up, down, tiles=SPLIT, **kw)
+    assert torch.equal(split, loop)
+    assert not arrival_locks(x.device, 1).any()

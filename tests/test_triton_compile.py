@@ -94,8 +94,9 @@ def compile_quant_gemm(qg, moe) -> None:
 
 
 def compile_moe_decode() -> None:
-    """The decode-step experts' two kernels for bf16 (also with the shared experts folded in),
-    int4 (bf16 scales; "mask" and "magic") and fp8 weights, in each format's default tiles."""
+    """The decode-step experts' kernels (down: looping over the picks and one per pick) for
+    bf16 (also with the shared experts folded in), int4 (bf16 scales; "mask" and "magic") and
+    fp8 weights, in each format's default tiles."""
     import blockspec.layers.moe_decode as md
 
     for fmt, w, s, group in ((md.DENSE, "*bf16", "*bf16", (1, 1)), (md.INT4, "*i32", "*bf16",
@@ -116,13 +117,15 @@ def compile_moe_decode() -> None:
                 act_ptr="*bf16", stats_ptr="*i64"), num_warps=tg.num_warps,
                 enable_fp_fusion=True)
             assert "cubin" in kernel.asm
-            kernel = compile_kernel_sm90(md._down_sum_kernel, dict(
-                common, MAGIC=magic, HAS_RES=not shared, HAS_SHARED=shared,
-                BLOCK_N=td.block_n, BLOCK_K=td.block_k), dict(
-                act_ptr="*bf16", ids_ptr="*i64", wts_ptr="*bf16", w_ptr=w, s_ptr=s,
-                sd_ptr="*bf16", res_ptr="*bf16", out_ptr="*bf16"), num_warps=td.num_warps,
-                enable_fp_fusion=True)
-            assert "cubin" in kernel.asm
+            down = dict(common, MAGIC=magic, HAS_RES=not shared, HAS_SHARED=shared,
+                        BLOCK_N=td.block_n, BLOCK_K=td.block_k)
+            ptrs = dict(act_ptr="*bf16", ids_ptr="*i64", wts_ptr="*bf16", w_ptr=w, s_ptr=s,
+                        sd_ptr="*bf16", res_ptr="*bf16", out_ptr="*bf16", part_ptr="*fp32",
+                        lock_ptr="*i32")
+            for fn in (md._down_sum_kernel, md._down_split_kernel):  # looping, one per pick
+                kernel = compile_kernel_sm90(fn, down, ptrs, num_warps=td.num_warps,
+                                             enable_fp_fusion=True)
+                assert "cubin" in kernel.asm
 
 
 def compile_pdl() -> None:

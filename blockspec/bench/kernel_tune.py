@@ -14,7 +14,7 @@ import torch
 from blockspec.bench.gpu_timing import graph_ms
 from blockspec.layers.quant_dequant import QuantWeight
 
-__all__ = ["EXPERT_SHAPES", "GEMV_SHAPES", "sweep_decode_experts", "sweep_gemv",
+__all__ = ["EXPERT_SHAPES", "GEMV_SHAPES", "sweep_decode_experts", "sweep_gemv", "sweep_split",
            "sweep_wide"]
 
 # (experts, hidden, intermediate, top_k, int4)
@@ -193,6 +193,51 @@ def sweep_wide(name: str, layers: int, dev: torch.device, dequants: tuple[str, .
                 f"{row['default_ms']:.4f}, rel diff {row['max_rel_diff_vs_grouped']:.1e}")
     return res
 
+
+# The down kernel one program per pick (GemvTiles.split): rows x columns x warps per program.
+SPLIT_GRID = {"int4": [(8, 2048, 4), (4, 2048, 4), (2, 2048, 4), (8, 1024, 4), (8, 1024, 2),
+                       (4, 1024, 2), (16, 2048, 8), (8, 2048, 8)],
+              "bf16": [(4, 256, 4), (4, 512, 4), (8, 512, 4), (2, 1024, 4), (4, 1024, 4),
+                       (8, 1024, 8), (2, 2048, 4), (4, 2048, 8)]}
+
+
+def sweep_split(name: str, layers: int, dev: torch.device,
+                log: Callable[[str], None] = print) -> dict:
+    """The down kernel one program per pick over SPLIT_GRID at 1 token (gate_up at its
+    default), ms per layer (both kernels); the best at 1, 2, 4 tokens against the looping
+    kernel in the default tiles, and whether it equals the looping kernel in its own tiles bit
+    for bit."""
+    import blockspec.layers.moe_decode as md
+
+    e, h, i, k, quant = EXPERT_SHAPES[name]
+    weights = _experts(EXPERT_SHAPES[name], layers, dev)
+    x = torch.randn(4, h, device=dev, dtype=torch.bfloat16)
+    routes = {t: _routing(t, e, k, layers, dev) for t in (1, 2, 4)}
+
+    def time(t: int, tiles: dict | None) -> float:
+        return _decode_ms(x[:t], routes[t], weights, tiles, "mask")
+
+    loop = {"down": md.DEFAULT_TILES[md.INT4 if quant else md.DENSE]["down"]._replace(split=False)}
+    res: dict = {"layers": layers, "looping_down": list(loop["down"]), "by_tiles": []}
+    rows = {}
+    for cfg in SPLIT_GRID["int4" if quant else "bf16"]:
+        tiles = md.GemvTiles(*cfg, split=True)
+        rows[tiles] = time(1, {"down": tiles})
+        res["by_tiles"].append({"tiles": list(tiles), "ms": rows[tiles]})
+    best = min(rows, key=rows.get)
+    log(f"{name} split down: best {list(best)} {rows[best]:.4f} ms/layer")
+    res["best"] = []
+    for t in (1, 2, 4):
+        (ids, wt), (g, d) = routes[t][0], weights[0]
+        looped = md.decode_experts(x[:t], wt, ids, g, d,
+                                   tiles={"down": best._replace(split=False)})
+        split = md.decode_experts(x[:t], wt, ids, g, d, tiles={"down": best})
+        row = {"tokens": t, "split_ms": time(t, {"down": best}), "looping_ms": time(t, loop),
+               "equal_to_loop": bool(torch.equal(looped, split))}
+        res["best"].append(row)
+        log(f"{name} T={t}: split {row['split_ms']:.4f} ms/layer, looping "
+            f"{row['looping_ms']:.4f}, bit-equal {row['equal_to_loop']}")
+    return res
 
 def _gemv_row(n: int, k: int, dev: torch.device) -> dict:
     from blockspec.layers.linear import gemv, gemv_config

@@ -29,6 +29,7 @@ import triton.language as tl
 from blockspec.layers.fused import _cast, _rnd
 from blockspec.layers.gemv_rows import _dot_rows
 from blockspec.layers.int4_bits import MAGIC16, MASK32
+from blockspec.layers.moe_down_split import _down_split_kernel, arrival_locks
 from blockspec.layers.pdl import pdl_args, pdl_sync
 from blockspec.layers.quant_dequant import QuantWeight
 
@@ -40,11 +41,13 @@ MAX_DECODE_SLOTS = {DENSE: 8, FP8: 8, INT4: 32}
 
 
 class GemvTiles(NamedTuple):
-    """(rows per program, input columns per iteration, warps) of one kernel."""
+    """(rows per program, input columns per iteration, warps) of one kernel; `split` (down
+    only): one program per pick (moe_down_split.py), not one looping over the picks."""
 
     block_n: int
     block_k: int
     num_warps: int
+    split: bool = False
 
 
 # NOTE: per weight format, the fastest tiles on an H200 at one token (Moonlight's bf16 experts,
@@ -52,9 +55,9 @@ class GemvTiles(NamedTuple):
 # int4 ones unpacked by masking (`benchmarks/decode_tune.py`): wide tiles, 1024-2048 columns an
 # iteration, keep more packed words in flight; 0.140 ms a layer against 0.188 for "magic" at its
 # best tiles, also faster at 2 and 4 tokens (docs/benchmarks.md, "MoE targets").
-_DENSE_TILES = {"gate_up": GemvTiles(4, 256, 4), "down": GemvTiles(4, 512, 8)}
+_DENSE_TILES = {"gate_up": GemvTiles(4, 256, 4), "down": GemvTiles(4, 512, 8, True)}
 DEFAULT_TILES = {DENSE: _DENSE_TILES, FP8: _DENSE_TILES,
-                 INT4: {"gate_up": GemvTiles(8, 1024, 2), "down": GemvTiles(8, 2048, 4)}}
+                 INT4: {"gate_up": GemvTiles(8, 1024, 2), "down": GemvTiles(8, 2048, 4, True)}}
 
 
 @triton.jit
@@ -277,11 +280,34 @@ def decode_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
         BLOCK_K=_block_k(tg, gu), num_warps=tg.num_warps, enable_fp_fusion=True,
         **pdl_args(x.device))
     res = residual if residual is not None else out
-    _down_sum_kernel[(t, triton.cdiv(hidden, td.block_n))](
-        act, flat_ids, weights.reshape(-1).contiguous(), dn.data, dn.scale, s_dn, res, out,
-        hidden, inter, inter // 8, t * top_k, shared_n, parts, *_strides(dn), s_dn.stride(0),
-        res.stride(0), out.stride(0), TOP_K=top_k, HAS_SHARED=shared is not None,
-        HAS_RES=residual is not None, FORMAT=dn.fmt, GROUP_N=dn.group[0], GROUP_K=dn.group[1],
-        MAGIC=_magic(dn, x.dtype, dequant), BLOCK_N=td.block_n, BLOCK_K=_block_k(td, dn),
-        num_warps=td.num_warps, enable_fp_fusion=True, **pdl_args(x.device))
+    _down(act, flat_ids, weights.reshape(-1).contiguous(), dn, s_dn, res, out, parts,
+          residual is not None, td, _magic(dn, x.dtype, dequant))
     return out
+
+
+def _down(act: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, dn: _Weight,
+          s_dn: torch.Tensor, res: torch.Tensor, out: torch.Tensor, parts: int, has_res: bool,
+          tiles: GemvTiles, magic: int) -> None:
+    """out = the down kernel's weighted sum over picks (+ shared parts, + res): one program
+    per (token, rows) looping over the picks, or with tiles.split one per (token, pick, rows)
+    where arrival counters are at hand (moe_down_split.py: the same sums, bit for bit)."""
+    t, hidden = out.shape
+    top_k, inter = ids.numel() // t, dn.k
+    shared_n = s_dn.shape[1] if parts else 0
+    blocks = triton.cdiv(hidden, tiles.block_n)
+    locks = arrival_locks(out.device, t * blocks) if tiles.split else None
+    meta = dict(TOP_K=top_k, HAS_SHARED=parts > 0, HAS_RES=has_res, FORMAT=dn.fmt,
+                GROUP_N=dn.group[0], GROUP_K=dn.group[1], MAGIC=magic, BLOCK_N=tiles.block_n,
+                BLOCK_K=_block_k(tiles, dn), num_warps=tiles.num_warps, enable_fp_fusion=True,
+                **pdl_args(out.device))
+    strides = (*_strides(dn), s_dn.stride(0), res.stride(0), out.stride(0))
+    if locks is None:
+        _down_sum_kernel[(t, blocks)](act, ids, weights, dn.data, dn.scale, s_dn, res, out,
+                                      hidden, inter, inter // 8, t * top_k, shared_n, parts,
+                                      *strides, **meta)
+        return
+    units = top_k + parts
+    part = torch.empty(t * units, hidden, dtype=torch.float32, device=out.device)
+    _down_split_kernel[(t * units, blocks)](act, ids, weights, dn.data, dn.scale, s_dn, res, out,
+                                            part, locks, hidden, inter, inter // 8, t * top_k,
+                                            shared_n, units, *strides, **meta)

@@ -1,0 +1,114 @@
+"""The decode experts' down projection with one program per (token, pick, rows) instead of one
+per (token, rows) looping over the picks (moe_decode._down_sum_kernel):
+
+    part[t, u, rows] = weight[t, u] W_down[e_tu][rows] act[t k + u]     (rounded once), u < k
+    part[t, k + j, rows] = W_shared_down[rows, part j] act_shared[t, j]   (the folded shared MLP)
+    out[t, rows] = the last of the token's programs over those rows to finish: the sums of
+                   moe_decode._down_sum_kernel, in its order (so its result bit for bit)
+
+A program that loops over the picks streams them one after another, its loads waiting on the
+pick before; here every pick's rows stream at once. The programs of one (token, rows) count
+their arrivals in `locks` (int32, zero between launches: the last resets its counter); the last
+to arrive reads the others' fp32 partials, so the sum is in pick order whatever the timing.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from blockspec.layers.fused import _cast, _rnd
+from blockspec.layers.gemv_rows import _dot_rows
+from blockspec.layers.pdl import pdl_sync
+
+_LOCKS: dict[torch.device, torch.Tensor] = {}
+
+
+def arrival_locks(device: torch.device, count: int) -> torch.Tensor | None:
+    """`count` zeroed int32 arrival counters on `device` (one buffer per device, grown outside
+    graph capture; every launch leaves its counters zero again), or None where a capture would
+    have to allocate them (the caller takes the looping kernel).
+
+    NOTE: one stream per device runs the decode experts at a time (the engine's step stream):
+    two concurrent launches would share counters."""
+    locks = _LOCKS.get(device)
+    if locks is None or locks.numel() < count:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        locks = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
+        _LOCKS[device] = locks
+    return locks
+
+
+@triton.jit
+def _routed_part(act_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, tok, u, rows, ok, inter, k_words,
+                 stride_we, stride_wn, stride_se, stride_sn, dtype: tl.constexpr,
+                 TOP_K: tl.constexpr, FORMAT: tl.constexpr, GROUP_N: tl.constexpr,
+                 GROUP_K: tl.constexpr, MAGIC: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    """Pick u of token tok over rows, times its weight, rounded once (fp32)."""
+    slot = tok * TOP_K + u
+    expert = tl.load(ids_ptr + slot).to(tl.int64)
+    acc = _dot_rows(w_ptr + expert * stride_we, s_ptr + expert * stride_se,
+                    act_ptr + slot * inter, rows, ok, inter, k_words, stride_wn, stride_sn,
+                    FORMAT, GROUP_N, GROUP_K, MAGIC, dtype, BLOCK_N, BLOCK_K)
+    return _rnd(acc * tl.load(wts_ptr + slot).to(tl.float32), dtype)
+
+
+@triton.jit
+def _shared_part(act_ptr, sd_ptr, tok, j, rows, ok, inter, k_words, num_slots, shared_n, parts,
+                 stride_sdn, dtype: tl.constexpr, FORMAT: tl.constexpr, GROUP_N: tl.constexpr,
+                 GROUP_K: tl.constexpr, MAGIC: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr):
+    """The shared experts' down projection of rows over their part j's columns (fp32)."""
+    act = act_ptr + (num_slots + tok * parts + j) * inter
+    return _dot_rows(sd_ptr + j * inter, sd_ptr, act, rows, ok,
+                     tl.minimum(inter, shared_n - j * inter), k_words, stride_sdn, 0, FORMAT,
+                     GROUP_N, GROUP_K, MAGIC, dtype, BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def _down_split_kernel(act_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, sd_ptr, res_ptr, out_ptr,
+                       part_ptr, lock_ptr, n, inter, k_words, num_slots, shared_n, units,
+                       stride_we, stride_wn, stride_se, stride_sn, stride_sdn, stride_rm,
+                       stride_om, TOP_K: tl.constexpr, HAS_RES: tl.constexpr,
+                       FORMAT: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
+                       MAGIC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       HAS_SHARED: tl.constexpr = False, USE_PDL: tl.constexpr = False):
+    pdl_sync(USE_PDL)
+    unit = tl.program_id(0).to(tl.int64)  # token * units + u: a token's units side by side
+    tok, u = unit // units, unit % units
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = rows < n
+    dtype = out_ptr.dtype.element_ty
+    if HAS_SHARED and u >= TOP_K:
+        val = _shared_part(act_ptr, sd_ptr, tok, u - TOP_K, rows, ok, inter, k_words, num_slots,
+                           shared_n, units - TOP_K, stride_sdn, dtype, FORMAT, GROUP_N, GROUP_K,
+                           MAGIC, BLOCK_N, BLOCK_K)
+    else:
+        val = _routed_part(act_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, tok, u, rows, ok, inter,
+                           k_words, stride_we, stride_wn, stride_se, stride_sn, dtype, TOP_K,
+                           FORMAT, GROUP_N, GROUP_K, MAGIC, BLOCK_N, BLOCK_K)
+    tl.store(part_ptr + unit * n + rows, val, mask=ok)
+    # NOTE: every thread's partial is stored before the one thread's release (acq_rel) of the
+    # counter; the last arrival's acquire orders its reads after every other release, and the
+    # reads skip L1 (.cg), which an earlier launch may have filled at these addresses.
+    tl.debug_barrier()
+    lock = lock_ptr + tok * tl.num_programs(1) + tl.program_id(1)
+    if tl.atomic_add(lock, 1, sem="acq_rel") == units - 1:
+        base = part_ptr + tok * units * n + rows
+        total = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for p in range(TOP_K):
+            total += tl.load(base + p * n, mask=ok, other=0.0, cache_modifier=".cg")
+        out = _rnd(total, dtype)
+        if HAS_SHARED:  # rounded once, as the shared MLP's output, then added like a residual
+            shared = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for j in range(units - TOP_K):
+                shared += tl.load(base + (TOP_K + j) * n, mask=ok, other=0.0,
+                                  cache_modifier=".cg")
+            out += _rnd(shared, dtype)
+        if HAS_RES:
+            out += tl.load(res_ptr + tok * stride_rm + rows, mask=ok, other=0.0).to(tl.float32)
+        tl.store(out_ptr + tok * stride_om + rows, _cast(out, dtype), mask=ok)
+        tl.atomic_xchg(lock, 0)
