@@ -1,10 +1,10 @@
 """Wider tiles for the decode-step experts and launch configs for MLA decode attention, one GPU,
-one run (issues 21 and 23): blockspec/bench/kernel_tune.py's `sweep_wide` (Moonlight's bf16
-experts; Kimi K2.6's int4 ones, "magic" and "mask" unpacking), its `sweep_split` (the down
+one run (issues 21 and 23): blockspec/bench/kernel_tune.py's `sweep_wide` (Kimi K2.6's int4
+experts unpacked "mask" and "subnormal"; Moonlight's bf16 ones), its `sweep_split` (the down
 kernel one program per pick, both) and blockspec/bench/mla_tune.py's `sweep_mla` (16 heads at
 contexts 640 and 4096, 64 heads at 640).
 
-Usage: python benchmarks/decode_tune.py --out FILE.json [--skip experts,mla,split]
+Usage: python benchmarks/decode_tune.py --out FILE.json [--skip mla,kimi,moonlight,split]
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from blockspec.bench.mla_tune import sweep_mla
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--skip", default="", help="experts,mla,split")
+    ap.add_argument("--skip", default="", help="mla,kimi,moonlight,split")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     dev, out = torch.device("cuda"), Path(args.out)
@@ -41,10 +41,11 @@ def main() -> int:
         save()
         res["mla_64_heads"] = sweep_mla(64, (640,), dev)
         save()
-    if "experts" not in skip:
-        res["experts_kimi_int4"] = sweep_wide("kimi_int4", 2, dev, ("magic", "mask"))
+    if "kimi" not in skip:
+        res["experts_kimi_int4"] = sweep_wide("kimi_int4", 2, dev, ("mask", "subnormal"))
         save()
         torch.cuda.empty_cache()
+    if "moonlight" not in skip:
         res["experts_moonlight_bf16"] = sweep_wide("moonlight_bf16", 4, dev, ("magic",))
         save()
     if "split" not in skip:

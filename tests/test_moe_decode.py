@@ -160,3 +160,39 @@ def test_split_down_equals_the_looping_kernel_bit_for_bit(case):
     split = decode_experts(x, w, ids, gate_up, down, tiles=SPLIT, **kw)
     assert torch.equal(split, loop)
     assert not arrival_locks(x.device, 1).any()
+
+
+@pytest.mark.parametrize("t,k", [(1, 8), (3, 2)])
+@pytest.mark.parametrize("tiles", [None, SMALL, SPLIT])
+def test_int4_subnormal_unpacking_matches_the_dequantized_reference(t, k, tiles):
+    """"subnormal" (int4_bits.SUBNORMAL: each nibble an fp32 subnormal against inputs scaled by
+    a power of two, the bias off once per word): the fp32 reference over dequantized weights up
+    to fp32 rounding, with K (104) and I (40) padded to whole tiles in SMALL."""
+    g = torch.Generator().manual_seed(17 + t)
+    e, h, i = 8, 104 if tiles else 128, 40 if tiles else 64
+    gate_up, down = int4((e, 2 * i), h, 8, g), int4((e, h), i, 8, g)
+    x = torch.randn(t, h, generator=g) * 4
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    weights = torch.rand(t, k, generator=g)
+    res = torch.randn(t, h, generator=g)
+    out = decode_experts(x, weights, ids, gate_up, down, tiles=tiles, dequant="subnormal",
+                         residual=res)
+    ref = experts_ref(x, weights, ids, *[dequantize(w) for w in (gate_up, down)]) + res
+    torch.testing.assert_close(out, ref, **TOL)
+    mask = decode_experts(x, weights, ids, gate_up, down, tiles=tiles, dequant="mask",
+                          residual=res)
+    torch.testing.assert_close(out, mask, **TOL)
+
+
+def test_subnormal_inputs_hold_scaled_columns_and_word_sums():
+    from blockspec.layers.int4_bits import SUB_BIAS, subnormal_inputs
+
+    x = torch.randn(2, 24)  # 3 words, padded to 4 (block_k 32)
+    t = subnormal_inputs(x, 32)
+    assert t.shape == (2, 9, 4)
+    words = x.view(2, 3, 8)
+    for j in range(8):
+        torch.testing.assert_close(t[:, j, :3], words[..., j] * 2.0 ** (SUB_BIAS - 4 * (j % 4)),
+                                   rtol=0, atol=0)
+    torch.testing.assert_close(t[:, 8, :3], 8 * words.sum(-1))
+    assert not t[:, :, 3].any()

@@ -97,29 +97,36 @@ def compile_moe_decode() -> None:
     """The decode-step experts' kernels (down: looping over the picks and one per pick) for
     bf16 (also with the shared experts folded in), int4 (bf16 scales; "mask" and "magic") and
     fp8 weights, in each format's default tiles."""
+    import triton.language as tl
+
+    import blockspec.layers.int4_bits as ib
     import blockspec.layers.moe_decode as md
 
+    assert "cubin" in compile_sm90(ib._subnormal_inputs_kernel, dict(BLOCK_W=256), dict(
+        x_ptr="*bf16", out_ptr="*fp32"))
     for fmt, w, s, group in ((md.DENSE, "*bf16", "*bf16", (1, 1)), (md.INT4, "*i32", "*bf16",
                                                                    (1, 32)),
                              (md.FP8, "*fp8e4nv", "*fp32", (128, 128))):
         common = dict(FORMAT=fmt, GROUP_N=group[0], GROUP_K=group[1], TOP_K=8,
                       MAGIC=0x4300 if fmt == md.INT4 else 0)
         tg, td = md.DEFAULT_TILES[fmt]["gate_up"], md.DEFAULT_TILES[fmt]["down"]
-        # int4: masked in place (MASK32, the default) and by the 16-bit magic float; bf16
-        # also with the shared experts folded in
-        variants = [(md.MASK32, False), (0x4300, False)] if fmt == md.INT4 else [(0, False)]
+        # int4: as subnormals (the default), masked in place (MASK32) and by the 16-bit magic
+        # float; bf16 also with the shared experts folded in
+        variants = [(md.SUBNORMAL, False), (md.MASK32, False), (0x4300, False)] \
+            if fmt == md.INT4 else [(0, False)]
         variants += [(0, True)] if fmt == md.DENSE else []
         for magic, shared in variants:
+            act = "*fp32" if magic == md.SUBNORMAL else "*bf16"  # subnormal inputs
             kernel = compile_kernel_sm90(md._gate_up_act_kernel, dict(
                 common, MAGIC=magic, COUNT=True, S_PAD=8, BLOCK_N=tg.block_n,
-                BLOCK_K=tg.block_k, HAS_SHARED=shared), dict(
-                x_ptr="*bf16", ids_ptr="*i64", w_ptr=w, s_ptr=s, sw_ptr="*bf16",
-                act_ptr="*bf16", stats_ptr="*i64"), num_warps=tg.num_warps,
-                enable_fp_fusion=True)
+                BLOCK_K=tg.block_k, HAS_SHARED=shared, ACT=tl.bfloat16,
+                ACT_T=magic == md.SUBNORMAL), dict(
+                x_ptr=act, ids_ptr="*i64", w_ptr=w, s_ptr=s, sw_ptr="*bf16", act_ptr=act,
+                stats_ptr="*i64"), num_warps=tg.num_warps, enable_fp_fusion=True)
             assert "cubin" in kernel.asm
             down = dict(common, MAGIC=magic, HAS_RES=not shared, HAS_SHARED=shared,
                         BLOCK_N=td.block_n, BLOCK_K=td.block_k)
-            ptrs = dict(act_ptr="*bf16", ids_ptr="*i64", wts_ptr="*bf16", w_ptr=w, s_ptr=s,
+            ptrs = dict(act_ptr=act, ids_ptr="*i64", wts_ptr="*bf16", w_ptr=w, s_ptr=s,
                         sd_ptr="*bf16", res_ptr="*bf16", out_ptr="*bf16", part_ptr="*fp32",
                         lock_ptr="*i32")
             for fn in (md._down_sum_kernel, md._down_split_kernel):  # looping, one per pick

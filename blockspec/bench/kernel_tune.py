@@ -174,6 +174,8 @@ def sweep_wide(name: str, layers: int, dev: torch.device, dequants: tuple[str, .
             for bn, bk, w in WIDE_GRID["int4" if quant else "bf16"]:
                 if dequant == "magic" and quant and bn * bk > 8192:
                     continue
+                if dequant == "subnormal" and kernel == "gate_up" and bn % 8:
+                    continue  # the down kernel's inputs are whole words of gate_up's rows
                 tiles = md.GemvTiles(bn, bk, w)
                 rows[tiles] = time(1, {kernel: tiles}, dequant)
                 res["by_tiles"].append({"dequant": dequant, "kernel": kernel,
@@ -186,7 +188,7 @@ def sweep_wide(name: str, layers: int, dev: torch.device, dequants: tuple[str, .
             got = md.decode_experts(x[:t], wt, ids, g, d, tiles=best, dequant=dequant)
             row = {"dequant": dequant, "tokens": t, "tiles": {kn: list(v) for kn, v in
                                                               best.items()},
-                   "ms": time(t, best, dequant), "default_ms": time(t, None, "mask"),
+                   "ms": time(t, best, dequant), "default_ms": time(t, None, md.DEFAULT_DEQUANT),
                    "max_rel_diff_vs_grouped": _rel_diff(got, run(x[:t], wt, ids, g, d))}
             res["best"].append(row)
             log(f"{name} {dequant} T={t}: best {row['ms']:.4f} ms/layer, default "
@@ -201,7 +203,7 @@ SPLIT_GRID = {"int4": [(8, 2048, 4), (4, 2048, 4), (2, 2048, 4), (8, 1024, 4), (
                        (8, 1024, 8), (2, 2048, 4), (4, 2048, 8)]}
 
 
-def sweep_split(name: str, layers: int, dev: torch.device,
+def sweep_split(name: str, layers: int, dev: torch.device, dequant: str = "subnormal",
                 log: Callable[[str], None] = print) -> dict:
     """The down kernel one program per pick over SPLIT_GRID at 1 token (gate_up at its
     default), ms per layer (both kernels); the best at 1, 2, 4 tokens against the looping
@@ -215,10 +217,11 @@ def sweep_split(name: str, layers: int, dev: torch.device,
     routes = {t: _routing(t, e, k, layers, dev) for t in (1, 2, 4)}
 
     def time(t: int, tiles: dict | None) -> float:
-        return _decode_ms(x[:t], routes[t], weights, tiles, "mask")
+        return _decode_ms(x[:t], routes[t], weights, tiles, dequant)
 
     loop = {"down": md.DEFAULT_TILES[md.INT4 if quant else md.DENSE]["down"]._replace(split=False)}
-    res: dict = {"layers": layers, "looping_down": list(loop["down"]), "by_tiles": []}
+    res: dict = {"layers": layers, "dequant": dequant, "looping_down": list(loop["down"]),
+                 "by_tiles": []}
     rows = {}
     for cfg in SPLIT_GRID["int4" if quant else "bf16"]:
         tiles = md.GemvTiles(*cfg, split=True)
@@ -229,9 +232,9 @@ def sweep_split(name: str, layers: int, dev: torch.device,
     res["best"] = []
     for t in (1, 2, 4):
         (ids, wt), (g, d) = routes[t][0], weights[0]
-        looped = md.decode_experts(x[:t], wt, ids, g, d,
+        looped = md.decode_experts(x[:t], wt, ids, g, d, dequant=dequant,
                                    tiles={"down": best._replace(split=False)})
-        split = md.decode_experts(x[:t], wt, ids, g, d, tiles={"down": best})
+        split = md.decode_experts(x[:t], wt, ids, g, d, tiles={"down": best}, dequant=dequant)
         row = {"tokens": t, "split_ms": time(t, {"down": best}), "looping_ms": time(t, loop),
                "equal_to_loop": bool(torch.equal(looped, split))}
         res["best"].append(row)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from blockspec.layers.int4_bits import _int4_dot_masked, _nibble
+from blockspec.layers.int4_bits import _int4_dot_masked, _int4_dot_subnormal, _nibble
 
 
 @triton.jit
@@ -58,7 +58,21 @@ def _dot_rows(w_base, s_base, v_ptr, rows, row_ok, K, k_words, stride_wn, stride
     w_rows = w_base + rows[:, None].to(tl.int64) * stride_wn
     if FORMAT == 1:  # INT4
         s_rows = s_base + rows[:, None].to(tl.int64) * stride_sn
-        if MAGIC == 0x4B000000:  # masked in place (int4_bits.MASK32): a [rows, words] sum
+        if MAGIC == 1:  # subnormal (int4_bits.SUBNORMAL): v_ptr holds subnormal_inputs' rows
+            t_stride = tl.cdiv(k_words, BLOCK_K // 8) * (BLOCK_K // 8)  # subnormal_words
+            acc = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
+            for k0 in range(0, K, BLOCK_K):
+                # NOTE: the words' columns as [rows, W] (each row the same): the inputs load in
+                # the words' layout, not converted to it through shared memory
+                kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)[None, :] + \
+                    tl.zeros([BLOCK_N, 1], dtype=tl.int32)
+                ok = row_ok[:, None] & (kw < k_words)
+                words = tl.load(w_rows + kw, mask=ok, other=0)
+                s = tl.load(s_rows + kw // (GROUP_K // 8), mask=ok, other=0.0)
+                acc = tl.fma(_int4_dot_subnormal(words, v_ptr, kw, t_stride), s.to(tl.float32),
+                             acc)
+            out = tl.sum(acc, 1)
+        elif MAGIC == 0x4B000000:  # masked in place (int4_bits.MASK32): a [rows, words] sum
             acc = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
                 words, s, v = _int4_chunk(w_rows, s_rows, v_ptr, row_ok, k0, k_words, GROUP_K,

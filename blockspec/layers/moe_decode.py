@@ -28,12 +28,22 @@ import triton.language as tl
 
 from blockspec.layers.fused import _cast, _rnd
 from blockspec.layers.gemv_rows import _dot_rows
-from blockspec.layers.int4_bits import MAGIC16, MASK32
+from blockspec.layers.int4_bits import (
+    MAGIC16,
+    MASK32,
+    SUB_ROWS,
+    SUBNORMAL,
+    _subnormal_store,
+    subnormal_inputs,
+    subnormal_words,
+)
 from blockspec.layers.moe_down_split import _down_split_kernel, arrival_locks
 from blockspec.layers.pdl import pdl_args, pdl_sync
 from blockspec.layers.quant_dequant import QuantWeight
 
 DENSE, INT4, FP8 = 0, 1, 2
+DEFAULT_DEQUANT = "subnormal"  # int4's unpacking (_magic); other formats ignore it
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 # NOTE: slots (tokens x top_k) up to which the experts take this path, per weight format: where
 # it measured faster than the grouped GEMMs on an H200 (`benchmarks/kernel_tune.py`): bf16 at
 # one token (even at two), int4 up to four tokens of top 8 (fp8 untimed: bf16's).
@@ -55,9 +65,9 @@ class GemvTiles(NamedTuple):
 # int4 ones unpacked by masking (`benchmarks/decode_tune.py`): wide tiles, 1024-2048 columns an
 # iteration, keep more packed words in flight; 0.140 ms a layer against 0.188 for "magic" at its
 # best tiles, also faster at 2 and 4 tokens (docs/benchmarks.md, "MoE targets").
-_DENSE_TILES = {"gate_up": GemvTiles(4, 256, 4), "down": GemvTiles(4, 512, 8, True)}
+_DENSE_TILES = {"gate_up": GemvTiles(4, 256, 4), "down": GemvTiles(4, 512, 8)}
 DEFAULT_TILES = {DENSE: _DENSE_TILES, FP8: _DENSE_TILES,
-                 INT4: {"gate_up": GemvTiles(8, 1024, 2), "down": GemvTiles(8, 2048, 4, True)}}
+                 INT4: {"gate_up": GemvTiles(8, 1024, 2), "down": GemvTiles(8, 2048, 4)}}
 
 
 @triton.jit
@@ -103,16 +113,17 @@ def _routed_gate_up(x_ptr, ids_ptr, w_ptr, s_ptr, slot, rows, ok, inter, K, k_wo
 @triton.jit
 def _gate_up_act_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, act_ptr, stats_ptr, num_slots,
                         inter, K, k_words, shared_n, parts, stride_xm, stride_we, stride_wn,
-                        stride_se, stride_sn, stride_swn,
+                        stride_se, stride_sn, stride_swn, stride_act, ACT: tl.constexpr,
                         TOP_K: tl.constexpr, COUNT: tl.constexpr, S_PAD: tl.constexpr,
                         FORMAT: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
                         MAGIC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        HAS_SHARED: tl.constexpr = False, USE_PDL: tl.constexpr = False):
+                        HAS_SHARED: tl.constexpr = False, ACT_T: tl.constexpr = False,
+                        USE_PDL: tl.constexpr = False):
     pdl_sync(USE_PDL)
     slot = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = rows < inter
-    act_dtype = act_ptr.dtype.element_ty
+    act_dtype: tl.constexpr = ACT
     # NOTE: with HAS_SHARED (dense formats only), slot num_slots + t * parts + j computes rows
     # j * inter.. of token t's shared experts' intermediate (shared_n rows; up at + shared_n).
     if HAS_SHARED:
@@ -134,7 +145,15 @@ def _gate_up_act_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, act_ptr, stats_ptr
                                    BLOCK_N, BLOCK_K)
     # rounded after silu and after the product, like `F.silu(gate) * up` (fused.silu_and_mul)
     act = _rnd(gate / (1.0 + tl.exp(-gate)), act_dtype)
-    tl.store(act_ptr + slot.to(tl.int64) * inter + rows, _cast(act * up, act_dtype), mask=ok)
+    act = _rnd(act * up, act_dtype)
+    out = act_ptr + slot.to(tl.int64) * stride_act
+    if ACT_T:  # as the down kernel's subnormal inputs (rows: BLOCK_N / 8 whole words)
+        words = tl.program_id(1) * (BLOCK_N // 8) + tl.arange(0, BLOCK_N // 8)
+        t_stride = stride_act // 9  # int4_bits.SUB_ROWS rows a slot
+        _subnormal_store(out, tl.reshape(act, [BLOCK_N // 8, 8]), words, words < inter // 8,
+                         words < t_stride, t_stride, BLOCK_N // 8)
+    else:
+        tl.store(out + rows, act.to(act_dtype), mask=ok)
     if COUNT:
         if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
             _count_distinct(ids_ptr, stats_ptr, num_slots, S_PAD)
@@ -142,8 +161,8 @@ def _gate_up_act_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, act_ptr, stats_ptr
 
 @triton.jit
 def _down_sum_kernel(act_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, sd_ptr, res_ptr, out_ptr, n, inter,
-                     k_words, num_slots, shared_n, parts, stride_we, stride_wn, stride_se,
-                     stride_sn, stride_sdn, stride_rm, stride_om,
+                     k_words, num_slots, shared_n, parts, stride_act, stride_we, stride_wn,
+                     stride_se, stride_sn, stride_sdn, stride_rm, stride_om,
                      TOP_K: tl.constexpr, HAS_RES: tl.constexpr, FORMAT: tl.constexpr,
                      GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, MAGIC: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -158,7 +177,7 @@ def _down_sum_kernel(act_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, sd_ptr, res_ptr, o
         slot = tok * TOP_K + p
         expert = tl.load(ids_ptr + slot).to(tl.int64)
         w_base, s_base = w_ptr + expert * stride_we, s_ptr + expert * stride_se
-        acc = _dot_rows(w_base, s_base, act_ptr + slot * inter, rows, ok, inter, k_words,
+        acc = _dot_rows(w_base, s_base, act_ptr + slot * stride_act, rows, ok, inter, k_words,
                         stride_wn, stride_sn, FORMAT, GROUP_N, GROUP_K, MAGIC, dtype, BLOCK_N,
                         BLOCK_K)
         # NOTE: each weighted pick rounds once, the sum over picks once (run_experts' order).
@@ -168,7 +187,7 @@ def _down_sum_kernel(act_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, sd_ptr, res_ptr, o
         shared = tl.zeros([BLOCK_N], dtype=tl.float32)
         for j in range(parts):
             shared += _dot_rows(sd_ptr + j * inter, sd_ptr,
-                                act_ptr + (num_slots + tok * parts + j) * inter, rows, ok,
+                                act_ptr + (num_slots + tok * parts + j) * stride_act, rows, ok,
                                 tl.minimum(inter, shared_n - j * inter), k_words, stride_sdn, 0,
                                 FORMAT, GROUP_N, GROUP_K, MAGIC, dtype, BLOCK_N, BLOCK_K)
         # NOTE: rounded once, as the shared MLP's output, then added like a residual
@@ -217,11 +236,13 @@ def folds_shared(num_slots: int, w: torch.Tensor | QuantWeight, shared_w: torch.
 
 
 def _magic(w: _Weight, act: torch.dtype, dequant: str) -> int:
-    """int4's unpacking: MASK32 for "mask" (nibbles masked in place into fp32, any dtypes);
+    """int4's unpacking: SUBNORMAL for "subnormal" (nibbles masked in place as fp32
+    subnormals, against inputs scaled to match), MASK32 for "mask" (nibbles masked in place
+    into fp32's mantissa, any dtypes);
     for "magic" the 16-bit float whose mantissa takes a nibble, where the activations and the
     scales share a 16-bit dtype; 0: int -> fp32 conversions ("convert", any dtypes)."""
-    if w.fmt == INT4 and dequant == "mask":
-        return MASK32
+    if w.fmt == INT4 and dequant in ("mask", "subnormal"):
+        return MASK32 if dequant == "mask" else SUBNORMAL
     if w.fmt != INT4 or dequant == "convert" or w.scale.dtype != act:
         return 0
     return MAGIC16.get(act, 0)
@@ -240,7 +261,7 @@ def _block_k(tiles: GemvTiles, w: _Weight) -> int:
 def decode_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                    gate_up: torch.Tensor | QuantWeight, down: torch.Tensor | QuantWeight,
                    stats: torch.Tensor | None = None, residual: torch.Tensor | None = None,
-                   tiles: dict[str, GemvTiles] | None = None, dequant: str = "mask",
+                   tiles: dict[str, GemvTiles] | None = None, dequant: str = DEFAULT_DEQUANT,
                    shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """experts_reference's result (+ residual) for a few slots: x [T, H] (rows contiguous),
     weights / ids [T, k], gate_up [E, 2I, H], down [E, H, I] -> [T, H] in x's dtype; `stats`
@@ -265,24 +286,39 @@ def decode_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
         assert gu.fmt == DENSE and residual is None and s_gu.shape == (2 * shared_n, gu.k)
         assert s_dn.shape == (hidden, shared_n) and s_gu.stride(1) == s_dn.stride(1) == 1
     flat_ids = ids.reshape(-1).contiguous()
-    act = torch.empty(t * (top_k + parts), inter, dtype=x.dtype, device=x.device)
     out = torch.empty(t, hidden, dtype=x.dtype, device=x.device)
     if t == 0:
         return out
     tg, td = tiles["gate_up"], tiles["down"]
+    magic_gu, magic_dn = _magic(gu, x.dtype, dequant), _magic(dn, x.dtype, dequant)
+    act = _act_buffer(t * (top_k + parts), inter, x, magic_dn == SUBNORMAL, tg, _block_k(td, dn))
+    x_in = subnormal_inputs(x, _block_k(tg, gu)) if magic_gu == SUBNORMAL else x
     _gate_up_act_kernel[(t * (top_k + parts), triton.cdiv(inter, tg.block_n))](
-        x, flat_ids, gu.data, gu.scale, s_gu, act, stats if stats is not None else flat_ids,
-        t * top_k, inter, gu.k, gu.k // 8, shared_n, max(parts, 1), x.stride(0),
-        *_strides(gu), s_gu.stride(0), TOP_K=top_k, HAS_SHARED=shared is not None,
-        COUNT=stats is not None, S_PAD=max(2, triton.next_power_of_2(t * top_k)),
-        FORMAT=gu.fmt, GROUP_N=gu.group[0], GROUP_K=gu.group[1],
-        MAGIC=_magic(gu, x.dtype, dequant), BLOCK_N=tg.block_n,
-        BLOCK_K=_block_k(tg, gu), num_warps=tg.num_warps, enable_fp_fusion=True,
-        **pdl_args(x.device))
+        x_in, flat_ids, gu.data, gu.scale, s_gu, act, stats if stats is not None else flat_ids,
+        t * top_k, inter, gu.k, gu.k // 8, shared_n, max(parts, 1), x_in.stride(0),
+        *_strides(gu), s_gu.stride(0), act.stride(0), ACT=_TL_DTYPES[x.dtype], TOP_K=top_k,
+        HAS_SHARED=shared is not None, ACT_T=magic_dn == SUBNORMAL, COUNT=stats is not None,
+        S_PAD=max(2, triton.next_power_of_2(t * top_k)), FORMAT=gu.fmt, GROUP_N=gu.group[0],
+        GROUP_K=gu.group[1], MAGIC=magic_gu, BLOCK_N=tg.block_n, BLOCK_K=_block_k(tg, gu),
+        num_warps=tg.num_warps, enable_fp_fusion=True, **pdl_args(x.device))
     res = residual if residual is not None else out
     _down(act, flat_ids, weights.reshape(-1).contiguous(), dn, s_dn, res, out, parts,
-          residual is not None, td, _magic(dn, x.dtype, dequant))
+          residual is not None, td, magic_dn)
     return out
+
+
+def _act_buffer(slots: int, inter: int, x: torch.Tensor, subnormal: bool, tg: GemvTiles,
+                block_k_down: int) -> torch.Tensor:
+    """The gate_up kernel's output: [slots, inter] in x's dtype, or for a subnormal down the
+    down kernel's inputs [slots, SUB_ROWS, words] fp32 (zeroed where the words are padded)."""
+    if not subnormal:
+        return torch.empty(slots, inter, dtype=x.dtype, device=x.device)
+    if tg.block_n % 8:
+        raise ValueError(f"int4 'subnormal' down projections take gate_up tiles of whole words "
+                         f"(block_n a multiple of 8), not {tg.block_n}")
+    words = subnormal_words(inter, block_k_down)
+    alloc = torch.empty if words * 8 == inter else torch.zeros
+    return alloc(slots, SUB_ROWS, words, dtype=torch.float32, device=x.device)
 
 
 def _down(act: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, dn: _Weight,
@@ -304,10 +340,10 @@ def _down(act: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, dn: _Weig
     if locks is None:
         _down_sum_kernel[(t, blocks)](act, ids, weights, dn.data, dn.scale, s_dn, res, out,
                                       hidden, inter, inter // 8, t * top_k, shared_n, parts,
-                                      *strides, **meta)
+                                      act.stride(0), *strides, **meta)
         return
     units = top_k + parts
     part = torch.empty(t * units, hidden, dtype=torch.float32, device=out.device)
     _down_split_kernel[(t * units, blocks)](act, ids, weights, dn.data, dn.scale, s_dn, res, out,
                                             part, locks, hidden, inter, inter // 8, t * top_k,
-                                            shared_n, units, *strides, **meta)
+                                            shared_n, units, act.stride(0), *strides, **meta)

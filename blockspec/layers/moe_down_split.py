@@ -43,7 +43,7 @@ def arrival_locks(device: torch.device, count: int) -> torch.Tensor | None:
 
 @triton.jit
 def _routed_part(act_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, tok, u, rows, ok, inter, k_words,
-                 stride_we, stride_wn, stride_se, stride_sn, dtype: tl.constexpr,
+                 stride_act, stride_we, stride_wn, stride_se, stride_sn, dtype: tl.constexpr,
                  TOP_K: tl.constexpr, FORMAT: tl.constexpr, GROUP_N: tl.constexpr,
                  GROUP_K: tl.constexpr, MAGIC: tl.constexpr, BLOCK_N: tl.constexpr,
                  BLOCK_K: tl.constexpr):
@@ -51,18 +51,18 @@ def _routed_part(act_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, tok, u, rows, ok, inte
     slot = tok * TOP_K + u
     expert = tl.load(ids_ptr + slot).to(tl.int64)
     acc = _dot_rows(w_ptr + expert * stride_we, s_ptr + expert * stride_se,
-                    act_ptr + slot * inter, rows, ok, inter, k_words, stride_wn, stride_sn,
+                    act_ptr + slot * stride_act, rows, ok, inter, k_words, stride_wn, stride_sn,
                     FORMAT, GROUP_N, GROUP_K, MAGIC, dtype, BLOCK_N, BLOCK_K)
     return _rnd(acc * tl.load(wts_ptr + slot).to(tl.float32), dtype)
 
 
 @triton.jit
 def _shared_part(act_ptr, sd_ptr, tok, j, rows, ok, inter, k_words, num_slots, shared_n, parts,
-                 stride_sdn, dtype: tl.constexpr, FORMAT: tl.constexpr, GROUP_N: tl.constexpr,
-                 GROUP_K: tl.constexpr, MAGIC: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
+                 stride_act, stride_sdn, dtype: tl.constexpr, FORMAT: tl.constexpr,
+                 GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, MAGIC: tl.constexpr,
+                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """The shared experts' down projection of rows over their part j's columns (fp32)."""
-    act = act_ptr + (num_slots + tok * parts + j) * inter
+    act = act_ptr + (num_slots + tok * parts + j) * stride_act
     return _dot_rows(sd_ptr + j * inter, sd_ptr, act, rows, ok,
                      tl.minimum(inter, shared_n - j * inter), k_words, stride_sdn, 0, FORMAT,
                      GROUP_N, GROUP_K, MAGIC, dtype, BLOCK_N, BLOCK_K)
@@ -71,8 +71,8 @@ def _shared_part(act_ptr, sd_ptr, tok, j, rows, ok, inter, k_words, num_slots, s
 @triton.jit
 def _down_split_kernel(act_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, sd_ptr, res_ptr, out_ptr,
                        part_ptr, lock_ptr, n, inter, k_words, num_slots, shared_n, units,
-                       stride_we, stride_wn, stride_se, stride_sn, stride_sdn, stride_rm,
-                       stride_om, TOP_K: tl.constexpr, HAS_RES: tl.constexpr,
+                       stride_act, stride_we, stride_wn, stride_se, stride_sn, stride_sdn,
+                       stride_rm, stride_om, TOP_K: tl.constexpr, HAS_RES: tl.constexpr,
                        FORMAT: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
                        MAGIC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        HAS_SHARED: tl.constexpr = False, USE_PDL: tl.constexpr = False):
@@ -84,12 +84,12 @@ def _down_split_kernel(act_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, sd_ptr, res_ptr,
     dtype = out_ptr.dtype.element_ty
     if HAS_SHARED and u >= TOP_K:
         val = _shared_part(act_ptr, sd_ptr, tok, u - TOP_K, rows, ok, inter, k_words, num_slots,
-                           shared_n, units - TOP_K, stride_sdn, dtype, FORMAT, GROUP_N, GROUP_K,
-                           MAGIC, BLOCK_N, BLOCK_K)
+                           shared_n, units - TOP_K, stride_act, stride_sdn, dtype, FORMAT,
+                           GROUP_N, GROUP_K, MAGIC, BLOCK_N, BLOCK_K)
     else:
         val = _routed_part(act_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, tok, u, rows, ok, inter,
-                           k_words, stride_we, stride_wn, stride_se, stride_sn, dtype, TOP_K,
-                           FORMAT, GROUP_N, GROUP_K, MAGIC, BLOCK_N, BLOCK_K)
+                           k_words, stride_act, stride_we, stride_wn, stride_se, stride_sn, dtype,
+                           TOP_K, FORMAT, GROUP_N, GROUP_K, MAGIC, BLOCK_N, BLOCK_K)
     tl.store(part_ptr + unit * n + rows, val, mask=ok)
     # NOTE: every thread's partial is stored before the one thread's release (acq_rel) of the
     # counter; the last arrival's acquire orders its reads after every other release, and the
