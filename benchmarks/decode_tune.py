@@ -1,10 +1,11 @@
 """Wider tiles for the decode-step experts and launch configs for MLA decode attention, one GPU,
 one run (issues 21 and 23): blockspec/bench/kernel_tune.py's `sweep_wide` (Kimi K2.6's int4
-experts unpacked "mask" and "subnormal"; Moonlight's bf16 ones), its `sweep_split` (the down
-kernel one program per pick, both) and blockspec/bench/mla_tune.py's `sweep_mla` (16 heads at
+experts unpacked "mask" and "subnormal"; Moonlight's bf16 ones), its `sweep_tokens` (int4's
+unpackings against the grouped GEMMs at 1..16 tokens), its `sweep_split` (the down kernel one
+program per pick, both) and blockspec/bench/mla_tune.py's `sweep_mla` (16 heads at
 contexts 640 and 4096, 64 heads at 640).
 
-Usage: python benchmarks/decode_tune.py --out FILE.json [--skip mla,kimi,moonlight,split]
+Usage: python benchmarks/decode_tune.py --out FILE.json [--skip mla,kimi,moonlight,tokens,split]
 """
 
 from __future__ import annotations
@@ -18,14 +19,14 @@ from pathlib import Path
 import torch
 
 from blockspec.bench.common import git_commit, recorded_command
-from blockspec.bench.kernel_tune import sweep_split, sweep_wide
+from blockspec.bench.kernel_tune import sweep_split, sweep_tokens, sweep_wide
 from blockspec.bench.mla_tune import sweep_mla
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--skip", default="", help="mla,kimi,moonlight,split")
+    ap.add_argument("--skip", default="", help="mla,kimi,moonlight,tokens,split")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     dev, out = torch.device("cuda"), Path(args.out)
@@ -48,6 +49,11 @@ def main() -> int:
     if "moonlight" not in skip:
         res["experts_moonlight_bf16"] = sweep_wide("moonlight_bf16", 4, dev, ("magic",))
         save()
+    if "tokens" not in skip:
+        res["tokens_kimi_int4"] = sweep_tokens("kimi_int4", 2, dev,
+                                               ("subnormal", "subnormal_prefetch", "mask"))
+        save()
+        torch.cuda.empty_cache()
     if "split" not in skip:
         for name, layers in (("kimi_int4", 2), ("moonlight_bf16", 4)):
             res[f"split_down_{name}"] = sweep_split(name, layers, dev)

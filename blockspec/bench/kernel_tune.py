@@ -15,7 +15,7 @@ from blockspec.bench.gpu_timing import graph_ms
 from blockspec.layers.quant_dequant import QuantWeight
 
 __all__ = ["EXPERT_SHAPES", "GEMV_SHAPES", "sweep_decode_experts", "sweep_gemv", "sweep_split",
-           "sweep_wide"]
+           "sweep_tokens", "sweep_wide"]
 
 # (experts, hidden, intermediate, top_k, int4)
 EXPERT_SHAPES = {"moonlight_bf16": (64, 2048, 1408, 6, False),
@@ -241,6 +241,34 @@ def sweep_split(name: str, layers: int, dev: torch.device, dequant: str = "subno
         log(f"{name} T={t}: split {row['split_ms']:.4f} ms/layer, looping "
             f"{row['looping_ms']:.4f}, bit-equal {row['equal_to_loop']}")
     return res
+
+def sweep_tokens(name: str, layers: int, dev: torch.device, dequants: tuple[str, ...],
+                 tokens: tuple[int, ...] = (1, 2, 4, 8, 16),
+                 log: Callable[[str], None] = print) -> list[dict]:
+    """The decode experts in their default tiles per unpacking against the grouped GEMMs at
+    each token count (where the decode path should stop: moe_decode.MAX_DECODE_SLOTS), ms per
+    layer, and the max |diff| / max |grouped| of each unpacking's output."""
+    import blockspec.layers.moe_decode as md
+
+    e, h, i, k, quant = EXPERT_SHAPES[name]
+    weights = _experts(EXPERT_SHAPES[name], layers, dev)
+    x = torch.randn(max(tokens), h, device=dev, dtype=torch.bfloat16)
+    run, rows = _grouped(quant), []
+    for t in tokens:
+        routes = _routing(t, e, k, layers, dev)
+        calls = [(x[:t], w, ids, gu, dn) for (ids, w), (gu, dn) in zip(routes, weights)]
+        row = {"tokens": t,
+               "grouped_ms": graph_ms(partial(lambda cs: [run(*c) for c in cs], calls)) / layers}
+        (ids, wt), (g, d) = routes[0], weights[0]
+        ref = run(x[:t], wt, ids, g, d)
+        for dq in dequants:
+            row[f"{dq}_ms"] = _decode_ms(x[:t], routes, weights, None, dq)
+            row[f"{dq}_rel_diff"] = _rel_diff(md.decode_experts(x[:t], wt, ids, g, d, dequant=dq),
+                                              ref)
+        rows.append(row)
+        log(f"{name} T={t}: " + ", ".join(f"{key} {v:.4g}" for key, v in row.items()
+                                          if key != "tokens"))
+    return rows
 
 def _gemv_row(n: int, k: int, dev: torch.device) -> dict:
     from blockspec.layers.linear import gemv, gemv_config

@@ -44,6 +44,43 @@ def _int4_chunk(w_rows, s_rows, v_ptr, row_ok, k0, k_words, GROUP_K: tl.constexp
 
 
 @triton.jit
+def _sub_chunk(w_rows, s_rows, row_ok, k0, k_words, GROUP_K: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr):
+    """Word columns [rows, W] of columns k0.. (each row the same), the packed words and their
+    scales [rows, W] (masked past K)."""
+    # NOTE: the columns as [rows, W]: subnormal inputs load in the words' layout, not converted
+    # to it through shared memory
+    kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)[None, :] + tl.zeros([BLOCK_N, 1], dtype=tl.int32)
+    ok = row_ok[:, None] & (kw < k_words)
+    words = tl.load(w_rows + kw, mask=ok, other=0)
+    return kw, words, tl.load(s_rows + kw // (GROUP_K // 8), mask=ok, other=0.0)
+
+
+@triton.jit
+def _int4_rows_subnormal(w_rows, s_rows, v_ptr, row_ok, K, k_words, GROUP_K: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr):
+    """sum_k W[rows, k] v[k] [BLOCK_N] fp32 for int4 rows against subnormal inputs at v_ptr;
+    with PREFETCH each chunk's words load while the one before is computed."""
+    t_stride = tl.cdiv(k_words, BLOCK_K // 8) * (BLOCK_K // 8)  # subnormal_words
+    acc = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
+    if PREFETCH:
+        kw, words, s = _sub_chunk(w_rows, s_rows, row_ok, 0, k_words, GROUP_K, BLOCK_N, BLOCK_K)
+        for k0 in range(0, K, BLOCK_K):
+            kw_n, words_n, s_n = _sub_chunk(w_rows, s_rows, row_ok, k0 + BLOCK_K, k_words,
+                                            GROUP_K, BLOCK_N, BLOCK_K)
+            acc = tl.fma(_int4_dot_subnormal(words, v_ptr, kw, t_stride), s.to(tl.float32),
+                         acc)
+            kw, words, s = kw_n, words_n, s_n
+    else:
+        for k0 in range(0, K, BLOCK_K):
+            kw, words, s = _sub_chunk(w_rows, s_rows, row_ok, k0, k_words, GROUP_K, BLOCK_N,
+                                      BLOCK_K)
+            acc = tl.fma(_int4_dot_subnormal(words, v_ptr, kw, t_stride), s.to(tl.float32),
+                         acc)
+    return tl.sum(acc, 1)
+
+
+@triton.jit
 def _dot_rows(w_base, s_base, v_ptr, rows, row_ok, K, k_words, stride_wn, stride_sn,
               FORMAT: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
               MAGIC: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -58,20 +95,9 @@ def _dot_rows(w_base, s_base, v_ptr, rows, row_ok, K, k_words, stride_wn, stride
     w_rows = w_base + rows[:, None].to(tl.int64) * stride_wn
     if FORMAT == 1:  # INT4
         s_rows = s_base + rows[:, None].to(tl.int64) * stride_sn
-        if MAGIC == 1:  # subnormal (int4_bits.SUBNORMAL): v_ptr holds subnormal_inputs' rows
-            t_stride = tl.cdiv(k_words, BLOCK_K // 8) * (BLOCK_K // 8)  # subnormal_words
-            acc = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                # NOTE: the words' columns as [rows, W] (each row the same): the inputs load in
-                # the words' layout, not converted to it through shared memory
-                kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)[None, :] + \
-                    tl.zeros([BLOCK_N, 1], dtype=tl.int32)
-                ok = row_ok[:, None] & (kw < k_words)
-                words = tl.load(w_rows + kw, mask=ok, other=0)
-                s = tl.load(s_rows + kw // (GROUP_K // 8), mask=ok, other=0.0)
-                acc = tl.fma(_int4_dot_subnormal(words, v_ptr, kw, t_stride), s.to(tl.float32),
-                             acc)
-            out = tl.sum(acc, 1)
+        if MAGIC == 1 or MAGIC == 2:  # subnormal (int4_bits.SUBNORMAL; 2: prefetching)
+            out = _int4_rows_subnormal(w_rows, s_rows, v_ptr, row_ok, K, k_words, GROUP_K,
+                                       BLOCK_N, BLOCK_K, MAGIC == 2)
         elif MAGIC == 0x4B000000:  # masked in place (int4_bits.MASK32): a [rows, words] sum
             acc = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):

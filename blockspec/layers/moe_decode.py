@@ -43,6 +43,8 @@ from blockspec.layers.quant_dequant import QuantWeight
 
 DENSE, INT4, FP8 = 0, 1, 2
 DEFAULT_DEQUANT = "subnormal"  # int4's unpacking (_magic); other formats ignore it
+# int4 unpackings that mask nibbles in place (no conversions): their MAGIC codes
+_INT4_MASKED = {"mask": MASK32, "subnormal": SUBNORMAL, "subnormal_prefetch": SUBNORMAL + 1}
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 # NOTE: slots (tokens x top_k) up to which the experts take this path, per weight format: where
 # it measured faster than the grouped GEMMs on an H200 (`benchmarks/kernel_tune.py`): bf16 at
@@ -67,7 +69,7 @@ class GemvTiles(NamedTuple):
 # best tiles, also faster at 2 and 4 tokens (docs/benchmarks.md, "MoE targets").
 _DENSE_TILES = {"gate_up": GemvTiles(4, 256, 4), "down": GemvTiles(4, 512, 8)}
 DEFAULT_TILES = {DENSE: _DENSE_TILES, FP8: _DENSE_TILES,
-                 INT4: {"gate_up": GemvTiles(8, 1024, 2), "down": GemvTiles(8, 2048, 4)}}
+                 INT4: {"gate_up": GemvTiles(8, 1024, 2), "down": GemvTiles(8, 1024, 2)}}
 
 
 @triton.jit
@@ -241,8 +243,8 @@ def _magic(w: _Weight, act: torch.dtype, dequant: str) -> int:
     into fp32's mantissa, any dtypes);
     for "magic" the 16-bit float whose mantissa takes a nibble, where the activations and the
     scales share a 16-bit dtype; 0: int -> fp32 conversions ("convert", any dtypes)."""
-    if w.fmt == INT4 and dequant in ("mask", "subnormal"):
-        return MASK32 if dequant == "mask" else SUBNORMAL
+    if w.fmt == INT4 and dequant in _INT4_MASKED:
+        return _INT4_MASKED[dequant]
     if w.fmt != INT4 or dequant == "convert" or w.scale.dtype != act:
         return 0
     return MAGIC16.get(act, 0)
@@ -291,13 +293,14 @@ def decode_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
         return out
     tg, td = tiles["gate_up"], tiles["down"]
     magic_gu, magic_dn = _magic(gu, x.dtype, dequant), _magic(dn, x.dtype, dequant)
-    act = _act_buffer(t * (top_k + parts), inter, x, magic_dn == SUBNORMAL, tg, _block_k(td, dn))
-    x_in = subnormal_inputs(x, _block_k(tg, gu)) if magic_gu == SUBNORMAL else x
+    sub_gu, sub_dn = magic_gu in (SUBNORMAL, SUBNORMAL + 1), magic_dn in (SUBNORMAL, SUBNORMAL + 1)
+    act = _act_buffer(t * (top_k + parts), inter, x, sub_dn, tg, _block_k(td, dn))
+    x_in = subnormal_inputs(x, _block_k(tg, gu)) if sub_gu else x
     _gate_up_act_kernel[(t * (top_k + parts), triton.cdiv(inter, tg.block_n))](
         x_in, flat_ids, gu.data, gu.scale, s_gu, act, stats if stats is not None else flat_ids,
         t * top_k, inter, gu.k, gu.k // 8, shared_n, max(parts, 1), x_in.stride(0),
         *_strides(gu), s_gu.stride(0), act.stride(0), ACT=_TL_DTYPES[x.dtype], TOP_K=top_k,
-        HAS_SHARED=shared is not None, ACT_T=magic_dn == SUBNORMAL, COUNT=stats is not None,
+        HAS_SHARED=shared is not None, ACT_T=sub_dn, COUNT=stats is not None,
         S_PAD=max(2, triton.next_power_of_2(t * top_k)), FORMAT=gu.fmt, GROUP_N=gu.group[0],
         GROUP_K=gu.group[1], MAGIC=magic_gu, BLOCK_N=tg.block_n, BLOCK_K=_block_k(tg, gu),
         num_warps=tg.num_warps, enable_fp_fusion=True, **pdl_args(x.device))
