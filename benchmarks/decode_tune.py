@@ -51,7 +51,7 @@ def main() -> int:
         save()
     if "tokens" not in skip:
         res["tokens_kimi_int4"] = sweep_tokens("kimi_int4", 2, dev,
-                                               ("subnormal", "subnormal_prefetch", "mask"))
+                                               ("subnormal", "mask"))
         save()
         torch.cuda.empty_cache()
     if "split" not in skip:

@@ -26,7 +26,7 @@ import torch.nn.functional as F  # noqa: E402
 from helpers import run_file_with_triton_interpreter  # noqa: E402
 
 from blockspec.config import RopeConfig  # noqa: E402
-from blockspec.layers import fused  # noqa: E402
+from blockspec.layers import fused, qk_norm_rope  # noqa: E402
 from blockspec.layers.norm import RMSNorm  # noqa: E402
 from blockspec.layers.rotary import RotaryEmbedding  # noqa: E402
 
@@ -135,12 +135,13 @@ def run_store(dtype, head_dim, num_heads, num_kv_heads, qk_norm, use_triton, mut
                    k_cache=k_cache, v_cache=v_cache, slot_mapping=slots, use_triton=use_triton)
     cos, sin = rotary.cos_cache, rotary.sin_cache
     if num_heads:
-        q = fused.qk_norm_rope_store(qkv, positions, cos, sin, num_heads, num_kv_heads, head_dim,
-                                     None if q_norm is None else q_norm.weight, **weights)
+        q = qk_norm_rope.qk_norm_rope_store(qkv, positions, cos, sin, num_heads, num_kv_heads,
+                                            head_dim, None if q_norm is None else q_norm.weight,
+                                            **weights)
     else:
         q = qkv.new_empty(t, 0, head_dim)
-        assert fused.k_norm_rope_store(qkv, positions, cos, sin, num_kv_heads, head_dim,
-                                       **weights) is None
+        assert qk_norm_rope.k_norm_rope_store(qkv, positions, cos, sin, num_kv_heads, head_dim,
+                                              **weights) is None
     return (q, k_cache, v_cache), (ref_q, ref_k, ref_v)
 
 
@@ -202,8 +203,8 @@ def test_cuda_graph_replay():
 
     def step():
         y, r = fused.fused_add_rms_norm(x, h, w, EPS)
-        q = fused.qk_norm_rope_store(qkv, pos, rotary.cos_cache, rotary.sin_cache, hq, hkv,
-                                     head_dim, kw, kw, EPS, cache[0], cache[1], slots)
+        q = qk_norm_rope.qk_norm_rope_store(qkv, pos, rotary.cos_cache, rotary.sin_cache, hq,
+                                            hkv, head_dim, kw, kw, EPS, cache[0], cache[1], slots)
         return y, r, fused.silu_and_mul(torch.cat([y, r], -1)), q
 
     step()  # compile outside the capture

@@ -16,14 +16,10 @@ from torch import nn
 
 from blockspec.dflash.config import DFlashConfig
 from blockspec.layers.attention import AttentionMetadata, PagedAttention
-from blockspec.layers.fused import (
-    fused_add_rms_norm,
-    k_norm_rope_store,
-    qk_norm_rope_store,
-    rms_norm,
-)
+from blockspec.layers.fused import fused_add_rms_norm, rms_norm
 from blockspec.layers.linear import Linear, linear
 from blockspec.layers.norm import RMSNorm
+from blockspec.layers.qk_norm_rope import k_norm_rope_store, qk_norm_rope_store
 from blockspec.layers.rotary import RotaryEmbedding
 from blockspec.models.qwen3 import MLP, CausalLM
 

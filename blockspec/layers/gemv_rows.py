@@ -58,25 +58,17 @@ def _sub_chunk(w_rows, s_rows, row_ok, k0, k_words, GROUP_K: tl.constexpr, BLOCK
 
 @triton.jit
 def _int4_rows_subnormal(w_rows, s_rows, v_ptr, row_ok, K, k_words, GROUP_K: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr):
-    """sum_k W[rows, k] v[k] [BLOCK_N] fp32 for int4 rows against subnormal inputs at v_ptr;
-    with PREFETCH each chunk's words load while the one before is computed."""
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """sum_k W[rows, k] v[k] [BLOCK_N] fp32 for int4 rows against subnormal inputs at v_ptr.
+
+    NOTE: loading the next chunk's words while computing one (a register prefetch) measured
+    slower on an H200 (0.130 against 0.096 ms a layer at one token; docs/benchmarks.md)."""
     t_stride = tl.cdiv(k_words, BLOCK_K // 8) * (BLOCK_K // 8)  # subnormal_words
     acc = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
-    if PREFETCH:
-        kw, words, s = _sub_chunk(w_rows, s_rows, row_ok, 0, k_words, GROUP_K, BLOCK_N, BLOCK_K)
-        for k0 in range(0, K, BLOCK_K):
-            kw_n, words_n, s_n = _sub_chunk(w_rows, s_rows, row_ok, k0 + BLOCK_K, k_words,
-                                            GROUP_K, BLOCK_N, BLOCK_K)
-            acc = tl.fma(_int4_dot_subnormal(words, v_ptr, kw, t_stride), s.to(tl.float32),
-                         acc)
-            kw, words, s = kw_n, words_n, s_n
-    else:
-        for k0 in range(0, K, BLOCK_K):
-            kw, words, s = _sub_chunk(w_rows, s_rows, row_ok, k0, k_words, GROUP_K, BLOCK_N,
-                                      BLOCK_K)
-            acc = tl.fma(_int4_dot_subnormal(words, v_ptr, kw, t_stride), s.to(tl.float32),
-                         acc)
+    for k0 in range(0, K, BLOCK_K):
+        kw, words, s = _sub_chunk(w_rows, s_rows, row_ok, k0, k_words, GROUP_K, BLOCK_N,
+                                  BLOCK_K)
+        acc = tl.fma(_int4_dot_subnormal(words, v_ptr, kw, t_stride), s.to(tl.float32), acc)
     return tl.sum(acc, 1)
 
 
@@ -95,9 +87,9 @@ def _dot_rows(w_base, s_base, v_ptr, rows, row_ok, K, k_words, stride_wn, stride
     w_rows = w_base + rows[:, None].to(tl.int64) * stride_wn
     if FORMAT == 1:  # INT4
         s_rows = s_base + rows[:, None].to(tl.int64) * stride_sn
-        if MAGIC == 1 or MAGIC == 2:  # subnormal (int4_bits.SUBNORMAL; 2: prefetching)
+        if MAGIC == 1:  # subnormal (int4_bits.SUBNORMAL): v_ptr holds subnormal_inputs' rows
             out = _int4_rows_subnormal(w_rows, s_rows, v_ptr, row_ok, K, k_words, GROUP_K,
-                                       BLOCK_N, BLOCK_K, MAGIC == 2)
+                                       BLOCK_N, BLOCK_K)
         elif MAGIC == 0x4B000000:  # masked in place (int4_bits.MASK32): a [rows, words] sum
             acc = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):

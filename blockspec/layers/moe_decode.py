@@ -44,12 +44,13 @@ from blockspec.layers.quant_dequant import QuantWeight
 DENSE, INT4, FP8 = 0, 1, 2
 DEFAULT_DEQUANT = "subnormal"  # int4's unpacking (_magic); other formats ignore it
 # int4 unpackings that mask nibbles in place (no conversions): their MAGIC codes
-_INT4_MASKED = {"mask": MASK32, "subnormal": SUBNORMAL, "subnormal_prefetch": SUBNORMAL + 1}
+_INT4_MASKED = {"mask": MASK32, "subnormal": SUBNORMAL}
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 # NOTE: slots (tokens x top_k) up to which the experts take this path, per weight format: where
-# it measured faster than the grouped GEMMs on an H200 (`benchmarks/kernel_tune.py`): bf16 at
-# one token (even at two), int4 up to four tokens of top 8 (fp8 untimed: bf16's).
-MAX_DECODE_SLOTS = {DENSE: 8, FP8: 8, INT4: 32}
+# it measured faster than the grouped GEMMs on an H200 (`benchmarks/kernel_tune.py`,
+# `benchmarks/decode_tune.py`): bf16 at one token (even at two); int4 unpacked as subnormals
+# 3.0x faster at 16 tokens of top 8, the most measured (fp8 untimed: bf16's).
+MAX_DECODE_SLOTS = {DENSE: 8, FP8: 8, INT4: 128}
 
 
 class GemvTiles(NamedTuple):
@@ -293,7 +294,7 @@ def decode_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
         return out
     tg, td = tiles["gate_up"], tiles["down"]
     magic_gu, magic_dn = _magic(gu, x.dtype, dequant), _magic(dn, x.dtype, dequant)
-    sub_gu, sub_dn = magic_gu in (SUBNORMAL, SUBNORMAL + 1), magic_dn in (SUBNORMAL, SUBNORMAL + 1)
+    sub_gu, sub_dn = magic_gu == SUBNORMAL, magic_dn == SUBNORMAL
     act = _act_buffer(t * (top_k + parts), inter, x, sub_dn, tg, _block_k(td, dn))
     x_in = subnormal_inputs(x, _block_k(tg, gu)) if sub_gu else x
     _gate_up_act_kernel[(t * (top_k + parts), triton.cdiv(inter, tg.block_n))](

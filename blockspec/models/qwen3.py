@@ -12,9 +12,10 @@ from torch import nn
 
 from blockspec.config import ModelConfig
 from blockspec.layers.attention import AttentionMetadata, PagedAttention
-from blockspec.layers.fused import fused_add_rms_norm, qk_norm_rope_store, rms_norm, silu_and_mul
+from blockspec.layers.fused import fused_add_rms_norm, rms_norm, silu_and_mul
 from blockspec.layers.linear import Linear
 from blockspec.layers.norm import RMSNorm
+from blockspec.layers.qk_norm_rope import qk_norm_rope_store
 from blockspec.layers.rotary import RotaryEmbedding
 
 
