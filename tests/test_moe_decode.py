@@ -140,9 +140,9 @@ SPLIT = {"gate_up": SMALL["gate_up"], "down": SMALL["down"]._replace(split=True)
 
 @pytest.mark.parametrize("case", ["dense", "residual", "shared", "int4"])
 def test_split_down_equals_the_looping_kernel_bit_for_bit(case):
-    """tiles.split (one program per pick, the last to arrive sums: moe_down_split.py) gives the
+    """tiles.split (one program per pick, the last to arrive sums: moe_down.py) gives the
     looping kernel's output exactly, and leaves its arrival counters zero."""
-    from blockspec.layers.moe_down_split import arrival_locks
+    from blockspec.layers.moe_down import arrival_locks
 
     x, w, ids, gate_up, down = dense_case(3, 4, seed=21)
     kw = {}

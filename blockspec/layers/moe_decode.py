@@ -12,8 +12,9 @@ the weighted sum over picks (and the shared experts' output, `residual`) are fus
 distinct-expert count of MoE.expert_counts is taken by the first program. Weights are bf16/fp16
 tensors [E, N, K] or quant_dequant.QuantWeight (int4 / fp8); fp8 (and int4 unpacked "magic" or
 "convert") is dequantized to exactly quant_gemm's tile values (rounded to the activations'
-dtype) before the products, int4 unpacked "mask" (the default) multiplies exact (q - 8) * v
-and scales each word's sum. Products and sums are fp32 and round where the grouped path rounds
+dtype) before the products; int4 unpacked "subnormal" (the default) or "mask" multiplies the
+exact (q - 8) * v in fp32 and scales each word's sum (int4_bits.py). The down kernels are in
+moe_down.py. Products and sums are fp32 and round where the grouped path rounds
 (after silu, after the product, per weighted pick, once for the sum). Grids depend on shapes
 only and nothing reads back to the host: CUDA graphs capture it.
 """
@@ -26,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from blockspec.layers.fused import _cast, _rnd
+from blockspec.layers.fused import _rnd
 from blockspec.layers.gemv_rows import _dot_rows
 from blockspec.layers.int4_bits import (
     MAGIC16,
@@ -37,7 +38,7 @@ from blockspec.layers.int4_bits import (
     subnormal_inputs,
     subnormal_words,
 )
-from blockspec.layers.moe_down_split import _down_split_kernel, arrival_locks
+from blockspec.layers.moe_down import _down_split_kernel, _down_sum_kernel, arrival_locks
 from blockspec.layers.pdl import pdl_args, pdl_sync
 from blockspec.layers.quant_dequant import QuantWeight
 
@@ -55,7 +56,7 @@ MAX_DECODE_SLOTS = {DENSE: 8, FP8: 8, INT4: 128}
 
 class GemvTiles(NamedTuple):
     """(rows per program, input columns per iteration, warps) of one kernel; `split` (down
-    only): one program per pick (moe_down_split.py), not one looping over the picks."""
+    only): one program per pick (moe_down.py), not one looping over the picks."""
 
     block_n: int
     block_k: int
@@ -162,44 +163,6 @@ def _gate_up_act_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, act_ptr, stats_ptr
             _count_distinct(ids_ptr, stats_ptr, num_slots, S_PAD)
 
 
-@triton.jit
-def _down_sum_kernel(act_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, sd_ptr, res_ptr, out_ptr, n, inter,
-                     k_words, num_slots, shared_n, parts, stride_act, stride_we, stride_wn,
-                     stride_se, stride_sn, stride_sdn, stride_rm, stride_om,
-                     TOP_K: tl.constexpr, HAS_RES: tl.constexpr, FORMAT: tl.constexpr,
-                     GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, MAGIC: tl.constexpr,
-                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     HAS_SHARED: tl.constexpr = False, USE_PDL: tl.constexpr = False):
-    pdl_sync(USE_PDL)
-    tok = tl.program_id(0).to(tl.int64)
-    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    ok = rows < n
-    dtype = out_ptr.dtype.element_ty
-    total = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for p in range(TOP_K):
-        slot = tok * TOP_K + p
-        expert = tl.load(ids_ptr + slot).to(tl.int64)
-        w_base, s_base = w_ptr + expert * stride_we, s_ptr + expert * stride_se
-        acc = _dot_rows(w_base, s_base, act_ptr + slot * stride_act, rows, ok, inter, k_words,
-                        stride_wn, stride_sn, FORMAT, GROUP_N, GROUP_K, MAGIC, dtype, BLOCK_N,
-                        BLOCK_K)
-        # NOTE: each weighted pick rounds once, the sum over picks once (run_experts' order).
-        total += _rnd(acc * tl.load(wts_ptr + slot).to(tl.float32), dtype)
-    out = _rnd(total, dtype)
-    if HAS_SHARED:  # the shared experts' down projection over their parts' columns
-        shared = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for j in range(parts):
-            shared += _dot_rows(sd_ptr + j * inter, sd_ptr,
-                                act_ptr + (num_slots + tok * parts + j) * stride_act, rows, ok,
-                                tl.minimum(inter, shared_n - j * inter), k_words, stride_sdn, 0,
-                                FORMAT, GROUP_N, GROUP_K, MAGIC, dtype, BLOCK_N, BLOCK_K)
-        # NOTE: rounded once, as the shared MLP's output, then added like a residual
-        out += _rnd(shared, dtype)
-    if HAS_RES:
-        out += tl.load(res_ptr + tok * stride_rm + rows, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + tok * stride_om + rows, _cast(out, dtype), mask=ok)
-
-
 class _Weight(NamedTuple):
     data: torch.Tensor  # [E, N, K] values, or packed int4 words [E, N, K / 8]
     scale: torch.Tensor  # [E, N / group_n, K / group_k] (a dummy for DENSE)
@@ -269,8 +232,9 @@ def decode_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     """experts_reference's result (+ residual) for a few slots: x [T, H] (rows contiguous),
     weights / ids [T, k], gate_up [E, 2I, H], down [E, H, I] -> [T, H] in x's dtype; `stats`
     as in fused_moe.align_slots; `tiles` overrides the format's DEFAULT_TILES and `dequant`
-    int4's unpacking: "mask" (exact products, int4_bits.MASK32), or "magic" / "convert" (each
-    weight rounded to x's dtype first, as the grouped GEMMs do; the same values).
+    int4's unpacking: "subnormal" (the default: exact weights, fp32 products; inputs below
+    2^43), "mask" (exact products, int4_bits.MASK32), or "magic" / "convert" (each weight
+    rounded to x's dtype first, as the grouped GEMMs do; the same values).
 
     `shared` = the shared experts' MLP weights (gate_up [2S, H], down [H, S], like the routed
     ones in a dense format), instead of `residual`: computed by the same two launches as
@@ -330,7 +294,7 @@ def _down(act: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, dn: _Weig
           tiles: GemvTiles, magic: int) -> None:
     """out = the down kernel's weighted sum over picks (+ shared parts, + res): one program
     per (token, rows) looping over the picks, or with tiles.split one per (token, pick, rows)
-    where arrival counters are at hand (moe_down_split.py: the same sums, bit for bit)."""
+    where arrival counters are at hand (moe_down.py: the same sums, bit for bit)."""
     t, hidden = out.shape
     top_k, inter = ids.numel() // t, dn.k
     shared_n = s_dn.shape[1] if parts else 0

@@ -1,15 +1,17 @@
-"""The decode experts' down projection with one program per (token, pick, rows) instead of one
-per (token, rows) looping over the picks (moe_decode._down_sum_kernel):
+"""The decode experts' down projection (moe_decode.py): one program per (token, rows) looping
+over the picks (`_down_sum_kernel`), or one per (token, pick, rows) (`_down_split_kernel`):
 
     part[t, u, rows] = weight[t, u] W_down[e_tu][rows] act[t k + u]     (rounded once), u < k
     part[t, k + j, rows] = W_shared_down[rows, part j] act_shared[t, j]   (the folded shared MLP)
     out[t, rows] = the last of the token's programs over those rows to finish: the sums of
-                   moe_decode._down_sum_kernel, in its order (so its result bit for bit)
+                   _down_sum_kernel, in its order (so its result bit for bit)
 
 A program that loops over the picks streams them one after another, its loads waiting on the
 pick before; here every pick's rows stream at once. The programs of one (token, rows) count
 their arrivals in `locks` (int32, zero between launches: the last resets its counter); the last
 to arrive reads the others' fp32 partials, so the sum is in pick order whatever the timing.
+On an H200 it measured no faster than the loop for int4 and faster for bf16 at one token only
+(docs/benchmarks.md, "MoE targets"): opt-in, GemvTiles.split.
 """
 
 from __future__ import annotations
@@ -112,3 +114,41 @@ def _down_split_kernel(act_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, sd_ptr, res_ptr,
             out += tl.load(res_ptr + tok * stride_rm + rows, mask=ok, other=0.0).to(tl.float32)
         tl.store(out_ptr + tok * stride_om + rows, _cast(out, dtype), mask=ok)
         tl.atomic_xchg(lock, 0)
+
+
+@triton.jit
+def _down_sum_kernel(act_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, sd_ptr, res_ptr, out_ptr, n, inter,
+                     k_words, num_slots, shared_n, parts, stride_act, stride_we, stride_wn,
+                     stride_se, stride_sn, stride_sdn, stride_rm, stride_om,
+                     TOP_K: tl.constexpr, HAS_RES: tl.constexpr, FORMAT: tl.constexpr,
+                     GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, MAGIC: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     HAS_SHARED: tl.constexpr = False, USE_PDL: tl.constexpr = False):
+    pdl_sync(USE_PDL)
+    tok = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = rows < n
+    dtype = out_ptr.dtype.element_ty
+    total = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for p in range(TOP_K):
+        slot = tok * TOP_K + p
+        expert = tl.load(ids_ptr + slot).to(tl.int64)
+        w_base, s_base = w_ptr + expert * stride_we, s_ptr + expert * stride_se
+        acc = _dot_rows(w_base, s_base, act_ptr + slot * stride_act, rows, ok, inter, k_words,
+                        stride_wn, stride_sn, FORMAT, GROUP_N, GROUP_K, MAGIC, dtype, BLOCK_N,
+                        BLOCK_K)
+        # NOTE: each weighted pick rounds once, the sum over picks once (run_experts' order).
+        total += _rnd(acc * tl.load(wts_ptr + slot).to(tl.float32), dtype)
+    out = _rnd(total, dtype)
+    if HAS_SHARED:  # the shared experts' down projection over their parts' columns
+        shared = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for j in range(parts):
+            shared += _dot_rows(sd_ptr + j * inter, sd_ptr,
+                                act_ptr + (num_slots + tok * parts + j) * stride_act, rows, ok,
+                                tl.minimum(inter, shared_n - j * inter), k_words, stride_sdn, 0,
+                                FORMAT, GROUP_N, GROUP_K, MAGIC, dtype, BLOCK_N, BLOCK_K)
+        # NOTE: rounded once, as the shared MLP's output, then added like a residual
+        out += _rnd(shared, dtype)
+    if HAS_RES:
+        out += tl.load(res_ptr + tok * stride_rm + rows, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + tok * stride_om + rows, _cast(out, dtype), mask=ok)
