@@ -71,6 +71,19 @@ def _shared_part(act_ptr, sd_ptr, tok, j, rows, ok, inter, k_words, num_slots, s
 
 
 @triton.jit
+def _store_out(out_ptr, res_ptr, tok, rows, ok, total, shared, stride_rm, stride_om,
+               dtype: tl.constexpr, HAS_SHARED: tl.constexpr, HAS_RES: tl.constexpr):
+    """out[tok, rows] = total rounded (the picks' sum), + shared rounded (once, as the shared
+    MLP's output, then added like a residual), + res."""
+    out = _rnd(total, dtype)
+    if HAS_SHARED:
+        out += _rnd(shared, dtype)
+    if HAS_RES:
+        out += tl.load(res_ptr + tok * stride_rm + rows, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + tok * stride_om + rows, _cast(out, dtype), mask=ok)
+
+
+@triton.jit
 def _down_split_kernel(act_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, sd_ptr, res_ptr, out_ptr,
                        part_ptr, lock_ptr, n, inter, k_words, num_slots, shared_n, units,
                        stride_act, stride_we, stride_wn, stride_se, stride_sn, stride_sdn,
@@ -103,16 +116,13 @@ def _down_split_kernel(act_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, sd_ptr, res_ptr,
         total = tl.zeros([BLOCK_N], dtype=tl.float32)
         for p in range(TOP_K):
             total += tl.load(base + p * n, mask=ok, other=0.0, cache_modifier=".cg")
-        out = _rnd(total, dtype)
-        if HAS_SHARED:  # rounded once, as the shared MLP's output, then added like a residual
-            shared = tl.zeros([BLOCK_N], dtype=tl.float32)
+        shared = tl.zeros([BLOCK_N], dtype=tl.float32)
+        if HAS_SHARED:
             for j in range(units - TOP_K):
                 shared += tl.load(base + (TOP_K + j) * n, mask=ok, other=0.0,
                                   cache_modifier=".cg")
-            out += _rnd(shared, dtype)
-        if HAS_RES:
-            out += tl.load(res_ptr + tok * stride_rm + rows, mask=ok, other=0.0).to(tl.float32)
-        tl.store(out_ptr + tok * stride_om + rows, _cast(out, dtype), mask=ok)
+        _store_out(out_ptr, res_ptr, tok, rows, ok, total, shared, stride_rm, stride_om, dtype,
+                   HAS_SHARED, HAS_RES)
         tl.atomic_xchg(lock, 0)
 
 
@@ -131,24 +141,15 @@ def _down_sum_kernel(act_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, sd_ptr, res_ptr, o
     dtype = out_ptr.dtype.element_ty
     total = tl.zeros([BLOCK_N], dtype=tl.float32)
     for p in range(TOP_K):
-        slot = tok * TOP_K + p
-        expert = tl.load(ids_ptr + slot).to(tl.int64)
-        w_base, s_base = w_ptr + expert * stride_we, s_ptr + expert * stride_se
-        acc = _dot_rows(w_base, s_base, act_ptr + slot * stride_act, rows, ok, inter, k_words,
-                        stride_wn, stride_sn, FORMAT, GROUP_N, GROUP_K, MAGIC, dtype, BLOCK_N,
-                        BLOCK_K)
         # NOTE: each weighted pick rounds once, the sum over picks once (run_experts' order).
-        total += _rnd(acc * tl.load(wts_ptr + slot).to(tl.float32), dtype)
-    out = _rnd(total, dtype)
+        total += _routed_part(act_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, tok, p, rows, ok, inter,
+                              k_words, stride_act, stride_we, stride_wn, stride_se, stride_sn,
+                              dtype, TOP_K, FORMAT, GROUP_N, GROUP_K, MAGIC, BLOCK_N, BLOCK_K)
+    shared = tl.zeros([BLOCK_N], dtype=tl.float32)
     if HAS_SHARED:  # the shared experts' down projection over their parts' columns
-        shared = tl.zeros([BLOCK_N], dtype=tl.float32)
         for j in range(parts):
-            shared += _dot_rows(sd_ptr + j * inter, sd_ptr,
-                                act_ptr + (num_slots + tok * parts + j) * stride_act, rows, ok,
-                                tl.minimum(inter, shared_n - j * inter), k_words, stride_sdn, 0,
-                                FORMAT, GROUP_N, GROUP_K, MAGIC, dtype, BLOCK_N, BLOCK_K)
-        # NOTE: rounded once, as the shared MLP's output, then added like a residual
-        out += _rnd(shared, dtype)
-    if HAS_RES:
-        out += tl.load(res_ptr + tok * stride_rm + rows, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + tok * stride_om + rows, _cast(out, dtype), mask=ok)
+            shared += _shared_part(act_ptr, sd_ptr, tok, j, rows, ok, inter, k_words, num_slots,
+                                   shared_n, parts, stride_act, stride_sdn, dtype, FORMAT,
+                                   GROUP_N, GROUP_K, MAGIC, BLOCK_N, BLOCK_K)
+    _store_out(out_ptr, res_ptr, tok, rows, ok, total, shared, stride_rm, stride_om, dtype,
+               HAS_SHARED, HAS_RES)
