@@ -86,6 +86,23 @@ def _grouped(quant: bool) -> Callable:
         else fm.grouped_experts
 
 
+def _inputs(name: str, layers: int, dev: torch.device, tokens: tuple[int, ...]
+            ) -> tuple[list[tuple], torch.Tensor, dict[int, list[tuple]]]:
+    """EXPERT_SHAPES[name]'s random weights for `layers` layers, activations [max(tokens), H]
+    and each token count's routes (seeded by the count)."""
+    e, h, _, k, _ = EXPERT_SHAPES[name]
+    weights = _experts(EXPERT_SHAPES[name], layers, dev)
+    x = torch.randn(max(tokens), h, device=dev, dtype=torch.bfloat16)
+    return weights, x, {t: _routing(t, e, k, layers, dev) for t in tokens}
+
+
+def _grouped_ms(run: Callable, x: torch.Tensor, routes: list[tuple],
+                weights: list[tuple]) -> float:
+    """ms per layer of the grouped GEMMs (`run`) over every layer's routes and weights."""
+    calls = [(x, wt, ids, g, d) for (ids, wt), (g, d) in zip(routes, weights)]
+    return graph_ms(lambda: [run(*c) for c in calls]) / len(calls)
+
+
 def _rel_diff(got: torch.Tensor, ref: torch.Tensor) -> float:
     """max |got - ref| / max |ref|."""
     return ((got.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
@@ -98,19 +115,13 @@ def sweep_decode_experts(name: str, layers: int, dev: torch.device,
     import blockspec.layers.moe_decode as md
 
     shape = EXPERT_SHAPES[name]
-    e, h, i, k, quant = shape
-    weights = _experts(shape, layers, dev)
-    x = torch.randn(4, h, device=dev, dtype=torch.bfloat16)
+    quant = shape[-1]
+    weights, x, routes = _inputs(name, layers, dev, (1, 2, 4))
 
     def decode(t: int, tiles: dict | None, dequant: str = "magic") -> float:
-        return _decode_ms(x[:t], _routing(t, e, k, layers, dev), weights, tiles, dequant)
+        return _decode_ms(x[:t], routes[t], weights, tiles, dequant)
 
     run = _grouped(quant)
-
-    def grouped(t: int) -> float:
-        routes = _routing(t, e, k, layers, dev)
-        return graph_ms(lambda: [run(x[:t], w, ids, gu, dn)
-                                 for (ids, w), (gu, dn) in zip(routes, weights)]) / layers
 
     res: dict = {"shape": dict(zip(("experts", "hidden", "inter", "top_k", "int4"), shape)),
                  "layers": layers}
@@ -132,8 +143,9 @@ def sweep_decode_experts(name: str, layers: int, dev: torch.device,
         log(f"{name}: int4 by conversions {res['convert_ms']:.4f} ms/layer")
     res["by_tokens"] = []
     for t in (1, 2, 4):
-        row = {"tokens": t, "decode_ms": decode(t, tiles), "grouped_ms": grouped(t)}
-        (ids, w), (gu, dn) = _routing(t, e, k, 1, dev)[0], weights[0]
+        row = {"tokens": t, "decode_ms": decode(t, tiles),
+               "grouped_ms": _grouped_ms(run, x[:t], routes[t], weights)}
+        (ids, w), (gu, dn) = routes[t][0], weights[0]
         row["max_rel_diff_vs_grouped"] = _rel_diff(
             md.decode_experts(x[:t], w, ids, gu, dn, tiles=tiles), run(x[:t], w, ids, gu, dn))
         res["by_tokens"].append(row)
@@ -157,10 +169,8 @@ def sweep_wide(name: str, layers: int, dev: torch.device, dequants: tuple[str, .
     |diff| / max |grouped GEMMs| of its output."""
     import blockspec.layers.moe_decode as md
 
-    e, h, i, k, quant = EXPERT_SHAPES[name]
-    weights = _experts(EXPERT_SHAPES[name], layers, dev)
-    x = torch.randn(4, h, device=dev, dtype=torch.bfloat16)
-    routes = {t: _routing(t, e, k, layers, dev) for t in (1, 2, 4)}
+    quant = EXPERT_SHAPES[name][-1]
+    weights, x, routes = _inputs(name, layers, dev, (1, 2, 4))
     run = _grouped(quant)
 
     def time(t: int, tiles: dict | None, dequant: str) -> float:
@@ -211,10 +221,8 @@ def sweep_split(name: str, layers: int, dev: torch.device, dequant: str = "subno
     for bit."""
     import blockspec.layers.moe_decode as md
 
-    e, h, i, k, quant = EXPERT_SHAPES[name]
-    weights = _experts(EXPERT_SHAPES[name], layers, dev)
-    x = torch.randn(4, h, device=dev, dtype=torch.bfloat16)
-    routes = {t: _routing(t, e, k, layers, dev) for t in (1, 2, 4)}
+    quant = EXPERT_SHAPES[name][-1]
+    weights, x, routes = _inputs(name, layers, dev, (1, 2, 4))
 
     def time(t: int, tiles: dict | None) -> float:
         return _decode_ms(x[:t], routes[t], weights, tiles, dequant)
@@ -250,19 +258,14 @@ def sweep_tokens(name: str, layers: int, dev: torch.device, dequants: tuple[str,
     layer, and the max |diff| / max |grouped| of each unpacking's output."""
     import blockspec.layers.moe_decode as md
 
-    e, h, i, k, quant = EXPERT_SHAPES[name]
-    weights = _experts(EXPERT_SHAPES[name], layers, dev)
-    x = torch.randn(max(tokens), h, device=dev, dtype=torch.bfloat16)
-    run, rows = _grouped(quant), []
+    weights, x, routes = _inputs(name, layers, dev, tokens)
+    run, rows = _grouped(EXPERT_SHAPES[name][-1]), []
     for t in tokens:
-        routes = _routing(t, e, k, layers, dev)
-        calls = [(x[:t], w, ids, gu, dn) for (ids, w), (gu, dn) in zip(routes, weights)]
-        row = {"tokens": t,
-               "grouped_ms": graph_ms(partial(lambda cs: [run(*c) for c in cs], calls)) / layers}
-        (ids, wt), (g, d) = routes[0], weights[0]
+        row = {"tokens": t, "grouped_ms": _grouped_ms(run, x[:t], routes[t], weights)}
+        (ids, wt), (g, d) = routes[t][0], weights[0]
         ref = run(x[:t], wt, ids, g, d)
         for dq in dequants:
-            row[f"{dq}_ms"] = _decode_ms(x[:t], routes, weights, None, dq)
+            row[f"{dq}_ms"] = _decode_ms(x[:t], routes[t], weights, None, dq)
             row[f"{dq}_rel_diff"] = _rel_diff(md.decode_experts(x[:t], wt, ids, g, d, dequant=dq),
                                               ref)
         rows.append(row)
