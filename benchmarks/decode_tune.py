@@ -2,12 +2,10 @@
 one run (issues 21 and 23): blockspec/bench/kernel_tune.py's `sweep_wide` (Kimi K2.6's int4
 experts unpacked "mask" and "subnormal"; Moonlight's bf16 ones), its `sweep_tokens` (int4's
 unpackings against the grouped GEMMs at 1..16 tokens), its `sweep_split` (the down kernel one
-program per pick, both), blockspec/bench/stage_tune.py's `sweep_stages` (int4's pipelined
-loads) and blockspec/bench/mla_tune.py's `sweep_mla` (16 heads at contexts 640 and 4096, 64
-heads at 640).
+program per pick, both) and blockspec/bench/mla_tune.py's `sweep_mla` (16 heads at
+contexts 640 and 4096, 64 heads at 640).
 
-Usage: python benchmarks/decode_tune.py --out FILE.json
-           [--skip mla,kimi,moonlight,tokens,split,stages]
+Usage: python benchmarks/decode_tune.py --out FILE.json [--skip mla,kimi,moonlight,tokens,split]
 """
 
 from __future__ import annotations
@@ -23,13 +21,12 @@ import torch
 from blockspec.bench.common import git_commit, recorded_command
 from blockspec.bench.kernel_tune import sweep_split, sweep_tokens, sweep_wide
 from blockspec.bench.mla_tune import sweep_mla
-from blockspec.bench.stage_tune import sweep_stages
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--skip", default="", help="mla,kimi,moonlight,tokens,split,stages")
+    ap.add_argument("--skip", default="", help="mla,kimi,moonlight,tokens,split")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
     dev, out = torch.device("cuda"), Path(args.out)
@@ -62,9 +59,6 @@ def main() -> int:
             res[f"split_down_{name}"] = sweep_split(name, layers, dev)
             save()
             torch.cuda.empty_cache()
-    if "stages" not in skip:
-        res["stages_kimi_int4"] = sweep_stages(dev)
-        save()
     return 0
 
 

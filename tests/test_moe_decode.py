@@ -9,7 +9,6 @@ import torch
 pytest.importorskip("triton")
 
 import blockspec.layers.fused_moe as fm  # noqa: E402
-import blockspec.layers.moe_decode as md  # noqa: E402
 from blockspec.layers.moe import count_experts, experts_reference  # noqa: E402
 from blockspec.layers.moe_decode import GemvTiles, decode_experts  # noqa: E402
 from blockspec.layers.quant_dequant import dequantize  # noqa: E402
@@ -143,7 +142,7 @@ SPLIT = {"gate_up": SMALL["gate_up"], "down": SMALL["down"]._replace(split=True)
 def test_split_down_equals_the_looping_kernel_bit_for_bit(case):
     """tiles.split (one program per pick, the last to arrive sums: moe_down.py) gives the
     looping kernel's output exactly, and leaves its arrival counters zero."""
-    from blockspec.layers.moe_down import arrival_locks
+    from blockspec.layers.arrival import arrival_locks
 
     x, w, ids, gate_up, down = dense_case(3, 4, seed=21)
     kw = {}
@@ -197,38 +196,3 @@ def test_subnormal_inputs_hold_scaled_columns_and_word_sums():
                                    rtol=0, atol=0)
     torch.testing.assert_close(t[:, 8, :3], 8 * words.sum(-1))
     assert not t[:, :, 3].any()
-
-
-UNSTAGED = {"gate_up": GemvTiles(8, 32, 2), "down": GemvTiles(4, 64, 1)}
-
-
-@pytest.mark.parametrize("stages", [2, 3])
-@pytest.mark.parametrize("group", [8, 32])
-def test_int4_staged_loads_equal_the_unstaged_kernels_bit_for_bit(stages, group):
-    """tiles.stages (int4 subnormal, bf16 scales read in int32 pairs, inputs as one row, the
-    loop's loads pipelined) computes the same values in the same order: equal outputs, over
-    several K chunks (gate_up) and picks of one chunk (down: I = 64 <= block_k)."""
-    g = torch.Generator().manual_seed(31 + group)
-    e, h, i, t, k = 8, 128, 64, 2, 4
-    gate_up = int4((e, 2 * i), h, group, g, torch.bfloat16)
-    down = int4((e, h), i, group, g, torch.bfloat16)
-    x = torch.randn(t, h, generator=g) * 4
-    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
-    weights = torch.rand(t, k, generator=g)
-    staged = {kn: v._replace(stages=stages) for kn, v in UNSTAGED.items()}
-    for w, kn in ((gate_up, "gate_up"), (down, "down")):  # the staged kernels do run
-        assert md._stages(staged[kn], md._weight(w), md.SUBNORMAL) == stages
-    plain = decode_experts(x, weights, ids, gate_up, down, tiles=UNSTAGED)
-    assert torch.equal(decode_experts(x, weights, ids, gate_up, down, tiles=staged), plain)
-    exact = [dequantize(w._replace(scale=w.scale.float())) for w in (gate_up, down)]
-    torch.testing.assert_close(plain, experts_ref(x, weights, ids, *exact), **TOL)
-
-
-def test_int4_staged_down_takes_each_pick_in_one_chunk():
-    g = torch.Generator().manual_seed(3)
-    gate_up, down = int4((4, 128), 64, 32, g, torch.bfloat16), int4((4, 64), 64, 32, g,
-                                                                    torch.bfloat16)
-    x, ids, w = torch.randn(1, 64, generator=g), torch.tensor([[0, 2]]), torch.rand(1, 2)
-    with pytest.raises(ValueError, match="block_k >= 64"):
-        decode_experts(x, w, ids, gate_up, down,
-                       tiles={"down": GemvTiles(4, 32, 1, stages=2)})

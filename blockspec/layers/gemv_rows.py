@@ -57,48 +57,18 @@ def _sub_chunk(w_rows, s_rows, row_ok, k0, k_words, GROUP_K: tl.constexpr, BLOCK
 
 
 @triton.jit
-def _sub_chunk_staged(w_rows, s_rows, v_ptr, row_ok, k0, k_words, t_stride,
-                      GROUP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """Each word's scaled sum [rows, W] (fp32) of columns k0.. against subnormal inputs at
-    v_ptr: _sub_chunk's and _int4_dot_subnormal's values, with every load 32 bits a thread or
-    wider, which Triton's pipeliner copies to shared memory asynchronously (cp.async).
-
-    NOTE: bf16 scales read in int32 pairs (a 16-bit load is not copied asynchronously: the
-    loop would wait on it each iteration), the half of the word's group shifted into fp32's
-    high bits (bf16 -> fp32 exactly); the inputs as one [1, W] row for all rows (the [rows, W]
-    form copies each row's)."""
-    kv = k0 // 8 + tl.arange(0, BLOCK_K // 8)[None, :]
-    kw = kv + tl.zeros([BLOCK_N, 1], dtype=tl.int32)
-    ok = row_ok[:, None] & (kw < k_words)
-    words = tl.load(w_rows + kw, mask=ok, other=0)
-    pair = tl.load(s_rows.to(tl.pointer_type(tl.int32)) + kw // (GROUP_K // 4), mask=ok, other=0)
-    high = ((kw // (GROUP_K // 8)) & 1) == 1  # little-endian: odd groups in the high half
-    s = tl.where(high, pair & -65536, pair << 16).to(tl.float32, bitcast=True)
-    return _int4_dot_subnormal(words, v_ptr, kv, t_stride), s
-
-
-@triton.jit
 def _int4_rows_subnormal(w_rows, s_rows, v_ptr, row_ok, K, k_words, GROUP_K: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr = 1):
-    """sum_k W[rows, k] v[k] [BLOCK_N] fp32 for int4 rows against subnormal inputs at v_ptr;
-    with STAGES > 1 (bf16 scales, an even number of groups a row) the chunks' loads run that
-    many iterations ahead through shared memory (_sub_chunk_staged): the same values.
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """sum_k W[rows, k] v[k] [BLOCK_N] fp32 for int4 rows against subnormal inputs at v_ptr.
 
     NOTE: loading the next chunk's words while computing one (a register prefetch) measured
     slower on an H200 (0.130 against 0.096 ms a layer at one token; docs/benchmarks.md)."""
     t_stride = tl.cdiv(k_words, BLOCK_K // 8) * (BLOCK_K // 8)  # subnormal_words
     acc = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
-    if STAGES > 1:
-        for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):
-            part, s = _sub_chunk_staged(w_rows, s_rows, v_ptr, row_ok, k0, k_words, t_stride,
-                                        GROUP_K, BLOCK_N, BLOCK_K)
-            acc = tl.fma(part, s, acc)
-    else:
-        for k0 in range(0, K, BLOCK_K):
-            kw, words, s = _sub_chunk(w_rows, s_rows, row_ok, k0, k_words, GROUP_K, BLOCK_N,
-                                      BLOCK_K)
-            acc = tl.fma(_int4_dot_subnormal(words, v_ptr, kw, t_stride), s.to(tl.float32),
-                         acc)
+    for k0 in range(0, K, BLOCK_K):
+        kw, words, s = _sub_chunk(w_rows, s_rows, row_ok, k0, k_words, GROUP_K, BLOCK_N,
+                                  BLOCK_K)
+        acc = tl.fma(_int4_dot_subnormal(words, v_ptr, kw, t_stride), s.to(tl.float32), acc)
     return tl.sum(acc, 1)
 
 
@@ -106,10 +76,10 @@ def _int4_rows_subnormal(w_rows, s_rows, v_ptr, row_ok, K, k_words, GROUP_K: tl.
 def _dot_rows(w_base, s_base, v_ptr, rows, row_ok, K, k_words, stride_wn, stride_sn,
               FORMAT: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
               MAGIC: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr, STAGES: tl.constexpr = 1):
+              BLOCK_K: tl.constexpr):
     """sum_k W[rows, k] v[k] in fp32 [BLOCK_N]: W as stored, int4 masked in place (MAGIC
     MASK32: exact products), or dequantized to exactly quant_gemm's tile values (rounded to ACT)
-    before the products. STAGES: int4 subnormal's pipelining (_int4_rows_subnormal).
+    before the products.
 
     NOTE: "magic" int4 as a [rows, words, 8] tile against v's [words, 8] chunk, loaded 8 values
     at a time: 10% faster on an H200 than a [rows, words] tile against eight strided slices of
@@ -119,7 +89,7 @@ def _dot_rows(w_base, s_base, v_ptr, rows, row_ok, K, k_words, stride_wn, stride
         s_rows = s_base + rows[:, None].to(tl.int64) * stride_sn
         if MAGIC == 1:  # subnormal (int4_bits.SUBNORMAL): v_ptr holds subnormal_inputs' rows
             out = _int4_rows_subnormal(w_rows, s_rows, v_ptr, row_ok, K, k_words, GROUP_K,
-                                       BLOCK_N, BLOCK_K, STAGES)
+                                       BLOCK_N, BLOCK_K)
         elif MAGIC == 0x4B000000:  # masked in place (int4_bits.MASK32): a [rows, words] sum
             acc = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):

@@ -27,6 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
+from blockspec.layers.arrival import arrival_locks
 from blockspec.layers.fused import _rnd
 from blockspec.layers.gemv_rows import _dot_rows
 from blockspec.layers.int4_bits import (
@@ -38,7 +39,7 @@ from blockspec.layers.int4_bits import (
     subnormal_inputs,
     subnormal_words,
 )
-from blockspec.layers.moe_down import _down_split_kernel, _down_sum_kernel, arrival_locks
+from blockspec.layers.moe_down import _down_split_kernel, _down_sum_kernel
 from blockspec.layers.pdl import pdl_args, pdl_sync
 from blockspec.layers.quant_dequant import QuantWeight
 
@@ -56,15 +57,12 @@ MAX_DECODE_SLOTS = {DENSE: 8, FP8: 8, INT4: 128}
 
 class GemvTiles(NamedTuple):
     """(rows per program, input columns per iteration, warps) of one kernel; `split` (down
-    only): one program per pick (moe_down.py), not one looping over the picks; `stages` (int4
-    subnormal with bf16 scales only): loads that many iterations in flight through shared
-    memory (gate_up: K's chunks; down: the picks, one chunk each, so block_k >= its columns)."""
+    only): one program per pick (moe_down.py), not one looping over the picks."""
 
     block_n: int
     block_k: int
     num_warps: int
     split: bool = False
-    stages: int = 1
 
 
 # NOTE: per weight format, the fastest tiles on an H200 at one token (Moonlight's bf16 experts,
@@ -93,13 +91,13 @@ def _count_distinct(ids_ptr, stats_ptr, num_slots, S_PAD: tl.constexpr):
 def _gate_up_rows(w_base, s_base, x_row, rows, ok, n, K, k_words, stride_wn, stride_sn,
                   FORMAT: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
                   MAGIC: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, STAGES: tl.constexpr = 1):
+                  BLOCK_K: tl.constexpr):
     """(gate, up) of `rows` (< n) of a [2n, K] gate_up weight, each rounded to ACT."""
     ok = ok & (rows < n)
     gate = _dot_rows(w_base, s_base, x_row, rows, ok, K, k_words, stride_wn, stride_sn, FORMAT,
-                     GROUP_N, GROUP_K, MAGIC, ACT, BLOCK_N, BLOCK_K, STAGES)
+                     GROUP_N, GROUP_K, MAGIC, ACT, BLOCK_N, BLOCK_K)
     up = _dot_rows(w_base, s_base, x_row, rows + n, ok, K, k_words, stride_wn, stride_sn,
-                   FORMAT, GROUP_N, GROUP_K, MAGIC, ACT, BLOCK_N, BLOCK_K, STAGES)
+                   FORMAT, GROUP_N, GROUP_K, MAGIC, ACT, BLOCK_N, BLOCK_K)
     return _rnd(gate, ACT), _rnd(up, ACT)
 
 
@@ -108,13 +106,13 @@ def _routed_gate_up(x_ptr, ids_ptr, w_ptr, s_ptr, slot, rows, ok, inter, K, k_wo
                     stride_we, stride_wn, stride_se, stride_sn, TOP_K: tl.constexpr,
                     FORMAT: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
                     MAGIC: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, STAGES: tl.constexpr = 1):
+                    BLOCK_K: tl.constexpr):
     """(gate, up) of routed slot `slot`: its token's row through its expert's rows."""
     expert = tl.load(ids_ptr + slot).to(tl.int64)
     x_row = x_ptr + (slot // TOP_K).to(tl.int64) * stride_xm
     return _gate_up_rows(w_ptr + expert * stride_we, s_ptr + expert * stride_se, x_row, rows, ok,
                          inter, K, k_words, stride_wn, stride_sn, FORMAT, GROUP_N, GROUP_K,
-                         MAGIC, ACT, BLOCK_N, BLOCK_K, STAGES)
+                         MAGIC, ACT, BLOCK_N, BLOCK_K)
 
 
 @triton.jit
@@ -125,7 +123,7 @@ def _gate_up_act_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, act_ptr, stats_ptr
                         FORMAT: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
                         MAGIC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         HAS_SHARED: tl.constexpr = False, ACT_T: tl.constexpr = False,
-                        STAGES: tl.constexpr = 1, USE_PDL: tl.constexpr = False):
+                        USE_PDL: tl.constexpr = False):
     pdl_sync(USE_PDL)
     slot = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -149,7 +147,7 @@ def _gate_up_act_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, act_ptr, stats_ptr
         gate, up = _routed_gate_up(x_ptr, ids_ptr, w_ptr, s_ptr, slot, rows, ok, inter, K,
                                    k_words, stride_xm, stride_we, stride_wn, stride_se,
                                    stride_sn, TOP_K, FORMAT, GROUP_N, GROUP_K, MAGIC, act_dtype,
-                                   BLOCK_N, BLOCK_K, STAGES)
+                                   BLOCK_N, BLOCK_K)
     # rounded after silu and after the product, like `F.silu(gate) * up` (fused.silu_and_mul)
     act = _rnd(gate / (1.0 + tl.exp(-gate)), act_dtype)
     act = _rnd(act * up, act_dtype)
@@ -217,15 +215,6 @@ def _magic(w: _Weight, act: torch.dtype, dequant: str) -> int:
     return MAGIC16.get(act, 0)
 
 
-def _stages(tiles: GemvTiles, w: _Weight, magic: int) -> int:
-    """tiles.stages where its pipelined loads apply (int4 subnormal, bf16 scales read in int32
-    pairs: an even number of groups a row, 4-byte aligned), else 1."""
-    s = w.scale
-    pairs = s.dtype == torch.bfloat16 and s.shape[-1] % 2 == 0 and s.stride(0) % 2 == 0 \
-        and s.stride(1) % 2 == 0 and s.data_ptr() % 4 == 0
-    return tiles.stages if w.fmt == INT4 and magic == SUBNORMAL and pairs else 1
-
-
 def _strides(w: _Weight) -> tuple[int, int, int, int]:
     return w.data.stride(0), w.data.stride(1), w.scale.stride(0), w.scale.stride(1)
 
@@ -280,8 +269,7 @@ def decode_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
         HAS_SHARED=shared is not None, ACT_T=sub_dn, COUNT=stats is not None,
         S_PAD=max(2, triton.next_power_of_2(t * top_k)), FORMAT=gu.fmt, GROUP_N=gu.group[0],
         GROUP_K=gu.group[1], MAGIC=magic_gu, BLOCK_N=tg.block_n, BLOCK_K=_block_k(tg, gu),
-        STAGES=_stages(tg, gu, magic_gu), num_warps=tg.num_warps, enable_fp_fusion=True,
-        **pdl_args(x.device))
+        num_warps=tg.num_warps, enable_fp_fusion=True, **pdl_args(x.device))
     res = residual if residual is not None else out
     _down(act, flat_ids, weights.reshape(-1).contiguous(), dn, s_dn, res, out, parts,
           residual is not None, td, magic_dn)
@@ -319,13 +307,9 @@ def _down(act: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, dn: _Weig
                 **pdl_args(out.device))
     strides = (*_strides(dn), s_dn.stride(0), res.stride(0), out.stride(0))
     if locks is None:
-        stages = _stages(tiles, dn, magic)
-        if stages > 1 and meta["BLOCK_K"] < inter:
-            raise ValueError(f"down tiles with stages > 1 take each pick in one chunk: block_k "
-                             f">= {inter} columns, not {tiles.block_k}")
         _down_sum_kernel[(t, blocks)](act, ids, weights, dn.data, dn.scale, s_dn, res, out,
                                       hidden, inter, inter // 8, t * top_k, shared_n, parts,
-                                      act.stride(0), *strides, STAGES=stages, **meta)
+                                      act.stride(0), *strides, **meta)
         return
     units = top_k + parts
     part = torch.empty(t * units, hidden, dtype=torch.float32, device=out.device)

@@ -8,39 +8,21 @@ over the picks (`_down_sum_kernel`), or one per (token, pick, rows) (`_down_spli
 
 A program that loops over the picks streams them one after another, its loads waiting on the
 pick before; here every pick's rows stream at once. The programs of one (token, rows) count
-their arrivals in `locks` (int32, zero between launches: the last resets its counter); the last
-to arrive reads the others' fp32 partials, so the sum is in pick order whatever the timing.
+their arrivals in `locks` (arrival.py; int32, zero between launches: the last resets its
+counter); the last to arrive reads the others' fp32 partials, so the sum is in pick order
+whatever the timing.
 On an H200 it measured no faster than the loop for int4 and faster for bf16 at one token only
 (docs/benchmarks.md, "MoE targets"): opt-in, GemvTiles.split.
 """
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
 
 from blockspec.layers.fused import _cast, _rnd
-from blockspec.layers.gemv_rows import _dot_rows, _sub_chunk_staged
+from blockspec.layers.gemv_rows import _dot_rows
 from blockspec.layers.pdl import pdl_sync
-
-_LOCKS: dict[torch.device, torch.Tensor] = {}
-
-
-def arrival_locks(device: torch.device, count: int) -> torch.Tensor | None:
-    """`count` zeroed int32 arrival counters on `device` (one buffer per device, grown outside
-    graph capture; every launch leaves its counters zero again), or None where a capture would
-    have to allocate them (the caller takes the looping kernel).
-
-    NOTE: one stream per device runs the decode experts at a time (the engine's step stream):
-    two concurrent launches would share counters."""
-    locks = _LOCKS.get(device)
-    if locks is None or locks.numel() < count:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        locks = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
-        _LOCKS[device] = locks
-    return locks
 
 
 @triton.jit
@@ -55,24 +37,6 @@ def _routed_part(act_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, tok, u, rows, ok, inte
     acc = _dot_rows(w_ptr + expert * stride_we, s_ptr + expert * stride_se,
                     act_ptr + slot * stride_act, rows, ok, inter, k_words, stride_wn, stride_sn,
                     FORMAT, GROUP_N, GROUP_K, MAGIC, dtype, BLOCK_N, BLOCK_K)
-    return _rnd(acc * tl.load(wts_ptr + slot).to(tl.float32), dtype)
-
-
-@triton.jit
-def _routed_part_staged(act_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, tok, u, rows, ok, k_words,
-                        stride_act, stride_we, stride_wn, stride_se, stride_sn,
-                        dtype: tl.constexpr, TOP_K: tl.constexpr, GROUP_K: tl.constexpr,
-                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """_routed_part of int4 subnormal weights in one chunk (BLOCK_K >= the columns), its
-    loads in the form Triton's pipeliner copies asynchronously: the same value."""
-    slot = tok * TOP_K + u
-    expert = tl.load(ids_ptr + slot).to(tl.int64)
-    w_rows = w_ptr + expert * stride_we + rows[:, None].to(tl.int64) * stride_wn
-    s_rows = s_ptr + expert * stride_se + rows[:, None].to(tl.int64) * stride_sn
-    part, s = _sub_chunk_staged(w_rows, s_rows, act_ptr + slot * stride_act, ok, 0, k_words,
-                                tl.cdiv(k_words, BLOCK_K // 8) * (BLOCK_K // 8), GROUP_K,
-                                BLOCK_N, BLOCK_K)
-    acc = tl.sum(tl.fma(part, s, tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)), 1)
     return _rnd(acc * tl.load(wts_ptr + slot).to(tl.float32), dtype)
 
 
@@ -151,27 +115,18 @@ def _down_sum_kernel(act_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, sd_ptr, res_ptr, o
                      TOP_K: tl.constexpr, HAS_RES: tl.constexpr, FORMAT: tl.constexpr,
                      GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, MAGIC: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     HAS_SHARED: tl.constexpr = False, STAGES: tl.constexpr = 1,
-                     USE_PDL: tl.constexpr = False):
+                     HAS_SHARED: tl.constexpr = False, USE_PDL: tl.constexpr = False):
     pdl_sync(USE_PDL)
     tok = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ok = rows < n
     dtype = out_ptr.dtype.element_ty
     total = tl.zeros([BLOCK_N], dtype=tl.float32)
-    # NOTE: each weighted pick rounds once, the sum over picks once (run_experts' order).
-    if STAGES > 1:  # int4 subnormal in one chunk a pick: the picks' loads STAGES - 1 ahead
-        for p in tl.range(0, TOP_K, num_stages=STAGES):
-            total += _routed_part_staged(act_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, tok, p, rows,
-                                         ok, k_words, stride_act, stride_we, stride_wn,
-                                         stride_se, stride_sn, dtype, TOP_K, GROUP_K, BLOCK_N,
-                                         BLOCK_K)
-    else:
-        for p in range(TOP_K):
-            total += _routed_part(act_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, tok, p, rows, ok,
-                                  inter, k_words, stride_act, stride_we, stride_wn, stride_se,
-                                  stride_sn, dtype, TOP_K, FORMAT, GROUP_N, GROUP_K, MAGIC,
-                                  BLOCK_N, BLOCK_K)
+    for p in range(TOP_K):
+        # NOTE: each weighted pick rounds once, the sum over picks once (run_experts' order).
+        total += _routed_part(act_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, tok, p, rows, ok, inter,
+                              k_words, stride_act, stride_we, stride_wn, stride_se, stride_sn,
+                              dtype, TOP_K, FORMAT, GROUP_N, GROUP_K, MAGIC, BLOCK_N, BLOCK_K)
     shared = tl.zeros([BLOCK_N], dtype=tl.float32)
     if HAS_SHARED:  # the shared experts' down projection over their parts' columns
         for j in range(parts):
