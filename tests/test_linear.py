@@ -139,9 +139,9 @@ def test_engine_outputs_with_triton_matmuls(qwen3_path, drafter16, monkeypatch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_router_logits_are_fp32_of_the_inputs_as_given(dtype, monkeypatch):
-    """One row: the GEMV reads x in its dtype and the fp32 router weight, sums in fp32 (==
-    F.linear(x.float(), w) to fp32 reduction order); other shapes and the torch backend are
-    F.linear itself."""
+    """One row: the split GEMV (K in whole chunks) or else the GEMV reads x in its dtype and
+    the fp32 router weight, sums in fp32 (== F.linear(x.float(), w) to fp32 reduction order);
+    other shapes and the torch backend are F.linear itself."""
     g = torch.Generator().manual_seed(1)
     x = torch.randn(1, 1024, generator=g).to(DEVICE, dtype)
     w = (torch.randn(64, 1024, generator=g) / 32).to(DEVICE)
@@ -149,9 +149,15 @@ def test_router_logits_are_fp32_of_the_inputs_as_given(dtype, monkeypatch):
     real = lin.gemv
     monkeypatch.setattr(lin, "gemv", lambda *a: calls.append(a[2]) or real(*a))
     ref = F.linear(x.float(), w)
-    got = lin.router_logits(x, w, "triton")
-    assert got.dtype == torch.float32 and calls == [lin.ROUTER_CONFIG]
+    got = lin.router_logits(x, w, "triton")  # 1024 columns: two chunks of 512, two splits
+    assert got.dtype == torch.float32 and calls == []
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    x7 = torch.randn(1, 768, generator=g).to(DEVICE, dtype)  # no whole chunk of 512: gemv
+    w7 = (torch.randn(64, 768, generator=g) / 32).to(DEVICE)
+    torch.testing.assert_close(lin.router_logits(x7, w7, "triton"), F.linear(x7.float(), w7),
+                               atol=1e-5, rtol=1e-5)
+    assert calls == [(2, 256, 4, 3)]
+    calls.clear()
     x3 = torch.randn(3, 1024, generator=g).to(DEVICE, dtype)
     assert torch.equal(lin.router_logits(x3, w, "triton"), F.linear(x3.float(), w))
-    assert torch.equal(lin.router_logits(x, w, "torch"), ref) and len(calls) == 1
+    assert torch.equal(lin.router_logits(x, w, "torch"), ref) and calls == []

@@ -147,14 +147,19 @@ ROUTER_CONFIG = (2, 512, 4, 3)
 
 def router_logits(x: torch.Tensor, w: torch.Tensor, backend: str = "torch") -> torch.Tensor:
     """F.linear(x.float(), w.float()): a MoE router's fp32 logits [T, E], as HF computes them.
-    With backend "triton" one row goes through `gemv`, reading x in its own dtype: no cast
-    launch, and one kernel where cuBLAS runs an fp32 GEMV as two (split-K and a reduce)."""
+    With backend "triton" one row goes through split_gemv (K split over programs, one launch;
+    `gemv` where it does not apply), reading x in its own dtype: no cast launch, and one kernel
+    where cuBLAS runs an fp32 GEMV as two (split-K and a reduce)."""
+    from blockspec.layers.split_gemv import split_gemv
+
     k = x.shape[-1]
     cfg = _fit_block_k(ROUTER_CONFIG, k)
     if backend == "triton" and x.numel() == k and cfg is not None and w.is_contiguous() \
             and w.dtype == torch.float32 and triton is not None \
             and (x.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
-        return gemv(x.reshape(1, k).contiguous(), w, cfg, torch.float32).view(
+        row = x.reshape(1, k).contiguous()
+        y = split_gemv(row, w, torch.float32)
+        return (y if y is not None else gemv(row, w, cfg, torch.float32)).view(
             *x.shape[:-1], w.shape[0])
     return F.linear(x.float(), w.float())
 
