@@ -12,7 +12,8 @@ from torch import nn
 
 from blockspec.config import ModelConfig
 from blockspec.layers.attention import AttentionMetadata, PagedAttention
-from blockspec.layers.fused import fused_add_rms_norm, rms_norm, silu_and_mul
+from blockspec.layers.fused import fused_add_rms_norm, rms_norm
+from blockspec.layers.gated_gemv import silu_gate_up
 from blockspec.layers.linear import Linear
 from blockspec.layers.norm import RMSNorm
 from blockspec.layers.qk_norm_rope import qk_norm_rope_store
@@ -61,7 +62,7 @@ class MLP(nn.Module):
         self.down_proj = Linear(self.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(silu_gate_up(x, self.gate_up_proj))
 
 
 class DecoderLayer(nn.Module):
