@@ -13,6 +13,9 @@ from blockspec.layers.fused import _cast
 from blockspec.layers.pdl import pdl_args, pdl_sync
 
 MAX_EXPERTS = 1024  # one row of scores in registers
+# NOTE: one warp: the top-k's argmaxes and sums reduce by shuffles alone, not through shared
+# memory and barriers across warps (2 x top_k reductions a token, in sequence)
+ROUTE_WARPS = 1
 
 
 def routable(num_experts: int, top_k: int, n_group: int) -> bool:
@@ -92,5 +95,6 @@ def route(router_logits: torch.Tensor, correction_bias: torch.Tensor | None, top
                             float(routed_scaling_factor), E=e, E_PAD=triton.next_power_of_2(e),
                             TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), N_GROUP=n_group,
                             TOPK_GROUP=topk_group, HAS_BIAS=correction_bias is not None,
-                            NORM=norm_topk_prob, **pdl_args(router_logits.device))
+                            NORM=norm_topk_prob, num_warps=ROUTE_WARPS,
+                            **pdl_args(router_logits.device))
     return weights, ids
