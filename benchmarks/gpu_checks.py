@@ -125,6 +125,31 @@ def check_linear(report: dict) -> None:
     report["linear_rel_err"] = errs
     print(f"skinny matmuls: {errs}")
     assert all(e < 1e-2 for e in errs.values())
+    check_gated_and_split(report, g)
+
+
+def check_gated_and_split(report: dict, g: torch.Generator) -> None:
+    """gated_gemv == gemv then silu_and_mul bit for bit (Kimi K2.6's shared expert, Qwen3-8B's
+    MLP); split_gemv (the routers, fp32) == F.linear to fp32 reduction order."""
+    from blockspec.layers.gated_gemv import gated_gemv
+    from blockspec.layers.split_gemv import split_gemv
+
+    equal = {}
+    for n, k in ((4096, 7168), (24576, 4096)):
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16, generator=g) / k**0.5
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16, generator=g)
+        equal[f"{k}->{n}"] = bool(torch.equal(gated_gemv(x, w),
+                                              fused.silu_and_mul(linear.gemv(x, w))))
+    errs = {}
+    for n, k in ((384, 7168), (64, 2048)):
+        w = torch.randn(n, k, device="cuda", generator=g) / k**0.5
+        x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16, generator=g)
+        y = split_gemv(x, w, torch.float32)
+        errs[f"{k}->{n}"] = rel_err(y, torch.nn.functional.linear(x.float(), w))
+        equal[f"split {k}->{n} repeat"] = bool(torch.equal(y, split_gemv(x, w, torch.float32)))
+    report["gated_split"] = {"equal": equal, "split_rel_err": errs}
+    print(f"gated / split GEMVs: equal {equal}, split rel err {errs}")
+    assert all(equal.values()) and all(e < 1e-5 for e in errs.values())
 
 
 def check_fused(report: dict) -> None:

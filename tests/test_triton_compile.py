@@ -23,7 +23,7 @@ def compile_kernel_sm90(fn, constexprs: dict, pointers: dict, **options):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    # constexprs with defaults (USE_PDL, STAGES...) are not runtime arguments
+    # constexprs with defaults (USE_PDL, HAS_SHARED...) are not runtime arguments
     defaults = {p.name: p.default for p in fn.params
                 if p.is_constexpr and p.default is not inspect.Parameter.empty}
     constexprs = {**defaults, **constexprs}
@@ -98,8 +98,8 @@ def compile_quant_gemm(qg, moe) -> None:
 
 def compile_moe_decode() -> None:
     """The decode-step experts' kernels (down: looping over the picks and one per pick) for
-    bf16 (also with the shared experts folded in), int4 (bf16 scales; "subnormal", also with
-    pipelined loads, "mask" and "magic") and fp8 weights, in each format's default tiles."""
+    bf16 (also with the shared experts folded in), int4 (bf16 scales; "subnormal", "mask" and
+    "magic") and fp8 weights, in each format's default tiles."""
     import triton.language as tl
 
     import blockspec.layers.int4_bits as ib
@@ -135,16 +135,6 @@ def compile_moe_decode() -> None:
             for fn in (md._down_sum_kernel, md._down_split_kernel):  # looping, one per pick
                 kernel = compile_kernel_sm90(fn, down, ptrs, num_warps=td.num_warps,
                                              enable_fp_fusion=True)
-                assert "cubin" in kernel.asm
-            if magic == md.SUBNORMAL:  # pipelined loads (GemvTiles.stages), down in one chunk
-                kernel = compile_kernel_sm90(md._down_sum_kernel, dict(
-                    down, BLOCK_K=2048, STAGES=3), ptrs, num_warps=2, enable_fp_fusion=True)
-                assert "cubin" in kernel.asm
-                kernel = compile_kernel_sm90(md._gate_up_act_kernel, dict(
-                    common, MAGIC=magic, COUNT=True, S_PAD=8, BLOCK_N=8, BLOCK_K=1024,
-                    ACT=tl.bfloat16, ACT_T=True, STAGES=2), dict(
-                    x_ptr=act, ids_ptr="*i64", w_ptr=w, s_ptr=s, sw_ptr="*bf16", act_ptr=act,
-                    stats_ptr="*i64"), num_warps=2, enable_fp_fusion=True)
                 assert "cubin" in kernel.asm
 
 
@@ -234,6 +224,14 @@ def main() -> int:
         assert "cubin" in compile_sm90(ma._absorb_kernel, dict(BLOCK_N=block_n, BLOCK_K=block_k),
                                        dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16"))
     compile_pdl()
+    import blockspec.layers.split_gemv as sg
+
+    assert "cubin" in compile_sm90(sg._split_gemv_kernel, dict(BLOCK_N=2, BLOCK_K=512), dict(
+        x_ptr="*bf16", w_ptr="*fp32", y_ptr="*fp32", part_ptr="*fp32", lock_ptr="*i32"))
+    import blockspec.layers.gated_gemv as gg
+
+    assert "cubin" in compile_sm90(gg._gated_gemv_kernel, dict(BLOCK_N=2, BLOCK_K=1024), dict(
+        x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16"))
     print("compiled")
     return 0
 
