@@ -4,9 +4,9 @@
 
 At batch 1 the separate activation launch (fused.silu_and_mul) costs as much as a small GEMV's
 tail (the shared expert of Kimi K2.6, a dense model's every layer). Each program streams its
-BLOCK_N gate rows and the matching up rows as linear.gemv streams rows (the same tiles, so the
-same sums), rounds each to the activations' dtype as the GEMV's store does, then computes the
-activation exactly as the silu kernel does: the unfused result bit for bit.
+BLOCK_N gate rows and the matching up rows together as linear.gemv streams rows (the same
+tiles, so the same sums), rounds each to the activations' dtype as the GEMV's store does, then
+computes the activation exactly as the silu kernel does: the unfused result bit for bit.
 """
 
 from __future__ import annotations
@@ -20,32 +20,32 @@ from blockspec.layers.pdl import pdl_args, pdl_sync
 
 
 @_jit
-def _rows_dot(base, x_ptr, K, rmask, BLOCK_K: tl.constexpr):
-    """sum_k w[rows, k] x[k] (fp32) for the rows at base, as linear._gemv_kernel sums them."""
-    cols = tl.arange(0, BLOCK_K)
-    acc = tl.load(base + cols[None, :], mask=rmask[:, None], other=0.0).to(tl.float32) \
-        * tl.load(x_ptr + cols)[None, :].to(tl.float32)
-    for k0 in range(BLOCK_K, K, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
-        w = tl.load(base + cols[None, :], mask=rmask[:, None], other=0.0)
-        acc += w.to(tl.float32) * tl.load(x_ptr + cols)[None, :].to(tl.float32)
-    return tl.sum(acc, axis=1)
-
-
-@_jit
 def _gated_gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        USE_PDL: tl.constexpr = False):
-    # NOTE: K % BLOCK_K == 0 (gemv_config's BLOCK_K): no column mask inside the loops.
-    pdl_sync(USE_PDL)
+    # NOTE: K % BLOCK_K == 0 (gemv_config's BLOCK_K): no column mask inside the loop. The gate
+    # and up tiles load in the same iteration (as many bytes in flight as the GEMV's two
+    # programs), each summed as linear._gemv_kernel sums a [BLOCK_N, BLOCK_K] tile.
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rmask = rows < N
+    rmask = rows[:, None] < N
+    g_base = w_ptr + rows[:, None].to(tl.int64) * K
+    u_base = w_ptr + (rows + N)[:, None].to(tl.int64) * K
+    cols = tl.arange(0, BLOCK_K)
+    wg = tl.load(g_base + cols[None, :], mask=rmask, other=0.0)  # weights: before the wait
+    wu = tl.load(u_base + cols[None, :], mask=rmask, other=0.0)
+    pdl_sync(USE_PDL)
+    x = tl.load(x_ptr + cols)[None, :].to(tl.float32)
+    acc_g, acc_u = wg.to(tl.float32) * x, wu.to(tl.float32) * x
+    for k0 in range(BLOCK_K, K, BLOCK_K):
+        cols = k0 + tl.arange(0, BLOCK_K)
+        wg = tl.load(g_base + cols[None, :], mask=rmask, other=0.0)
+        wu = tl.load(u_base + cols[None, :], mask=rmask, other=0.0)
+        x = tl.load(x_ptr + cols)[None, :].to(tl.float32)
+        acc_g += wg.to(tl.float32) * x
+        acc_u += wu.to(tl.float32) * x
     dtype = y_ptr.dtype.element_ty
-    gate = _rnd(_rows_dot(w_ptr + rows[:, None].to(tl.int64) * K, x_ptr, K, rmask, BLOCK_K),
-                dtype)
-    up = _rnd(_rows_dot(w_ptr + (rows + N)[:, None].to(tl.int64) * K, x_ptr, K, rmask,
-                        BLOCK_K), dtype)
+    gate, up = _rnd(tl.sum(acc_g, axis=1), dtype), _rnd(tl.sum(acc_u, axis=1), dtype)
     act = _rnd(gate / (1.0 + tl.exp(-gate)), dtype)  # fused._silu_and_mul_kernel's rounding
-    tl.store(y_ptr + rows, _cast(act * up, dtype), mask=rmask)
+    tl.store(y_ptr + rows, _cast(act * up, dtype), mask=rows < N)
 
 
 def gated_gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
