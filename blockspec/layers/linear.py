@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from blockspec.layers.fused import _cast, _jit, tl, triton
 from blockspec.layers.pdl import pdl_args, pdl_sync
+from blockspec.layers.split_gemv import split_gemv
 
 SKINNY_MAX_M = 16  # one sequence's speculative step (block 16)
 SKINNY_MIN_N = 16384
@@ -150,8 +151,6 @@ def router_logits(x: torch.Tensor, w: torch.Tensor, backend: str = "torch") -> t
     With backend "triton" one row goes through split_gemv (K split over programs, one launch;
     `gemv` where it does not apply), reading x in its own dtype: no cast launch, and one kernel
     where cuBLAS runs an fp32 GEMV as two (split-K and a reduce)."""
-    from blockspec.layers.split_gemv import split_gemv
-
     k = x.shape[-1]
     cfg = _fit_block_k(ROUTER_CONFIG, k)
     if backend == "triton" and x.numel() == k and cfg is not None and w.is_contiguous() \
