@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import torch
 
+from blockspec.layers.fused import _jit, tl
+
 _LOCKS: dict[torch.device, torch.Tensor] = {}
 
 
@@ -24,3 +26,14 @@ def arrival_locks(device: torch.device, count: int) -> torch.Tensor | None:
         locks = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
         _LOCKS[device] = locks
     return locks
+
+
+@_jit
+def _last_to_arrive(lock, count):
+    """Whether this program is the last of `count` to arrive at counter `lock`, once each has
+    stored its partial. NOTE: every thread's stores precede the one thread's release (acq_rel)
+    of the counter; the last arrival's acquire orders its reads after every other release, and
+    those reads should skip L1 (.cg), which an earlier launch may have filled at the same
+    addresses. The last arrival resets the counter (tl.atomic_xchg(lock, 0)) when done."""
+    tl.debug_barrier()
+    return tl.atomic_add(lock, 1, sem="acq_rel") == count - 1

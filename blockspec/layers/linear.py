@@ -26,32 +26,38 @@ import torch.nn.functional as F
 
 from blockspec.layers.fused import _cast, _jit, tl, triton
 from blockspec.layers.pdl import pdl_args, pdl_sync
-from blockspec.layers.split_gemv import split_gemv
 
 SKINNY_MAX_M = 16  # one sequence's speculative step (block 16)
 SKINNY_MIN_N = 16384
 
 
 @_jit
-def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 USE_PDL: tl.constexpr = False):
-    # y[n] = sum_k w[n, k] x[k]: one program per BLOCK_N output features, streaming their rows.
-    # NOTE: K % BLOCK_K == 0 (the caller picks BLOCK_K): no column mask inside the loop.
-    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    rmask = rows < N
-    base = w_ptr + rows[:, None].to(tl.int64) * K
-    cols = tl.arange(0, BLOCK_K)
-    # NOTE: the first weight tile loads before the PDL wait (no kernel writes weights), so under
-    # PDL its latency overlaps the previous kernel's end; x waits.
+def _rows_span_sum(base, x_ptr, rmask, k_lo, k_hi, BLOCK_K: tl.constexpr,
+                   USE_PDL: tl.constexpr):
+    """sum over k_lo <= k < k_hi of w[rows, k] x[k] (fp32 [BLOCK_N]) for the rows at base.
+    NOTE: (k_hi - k_lo) % BLOCK_K == 0 (the caller picks BLOCK_K): no column mask in the loop;
+    the first weight tile loads before the PDL wait (no kernel writes weights), so under PDL
+    its latency overlaps the previous kernel's end; x waits."""
+    cols = k_lo + tl.arange(0, BLOCK_K)
     w = tl.load(base + cols[None, :], mask=rmask[:, None], other=0.0)
     pdl_sync(USE_PDL)
     acc = w.to(tl.float32) * tl.load(x_ptr + cols)[None, :].to(tl.float32)
-    for k0 in range(BLOCK_K, K, BLOCK_K):
+    for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(base + cols[None, :], mask=rmask[:, None], other=0.0)
         x = tl.load(x_ptr + cols)
         acc += w.to(tl.float32) * x[None, :].to(tl.float32)
-    y = tl.sum(acc, axis=1)
+    return tl.sum(acc, axis=1)
+
+
+@_jit
+def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 USE_PDL: tl.constexpr = False):
+    # y[n] = sum_k w[n, k] x[k]: one program per BLOCK_N output features, streaming their rows.
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rmask = rows < N
+    y = _rows_span_sum(w_ptr + rows[:, None].to(tl.int64) * K, x_ptr, rmask, 0, K, BLOCK_K,
+                       USE_PDL)
     tl.store(y_ptr + rows, _cast(y, y_ptr.dtype.element_ty), mask=rmask)
 
 
@@ -151,6 +157,8 @@ def router_logits(x: torch.Tensor, w: torch.Tensor, backend: str = "torch") -> t
     With backend "triton" one row goes through split_gemv (K split over programs, one launch;
     `gemv` where it does not apply), reading x in its own dtype: no cast launch, and one kernel
     where cuBLAS runs an fp32 GEMV as two (split-K and a reduce)."""
+    from blockspec.layers.split_gemv import split_gemv  # it builds on this module's row sums
+
     k = x.shape[-1]
     cfg = _fit_block_k(ROUTER_CONFIG, k)
     if backend == "triton" and x.numel() == k and cfg is not None and w.is_contiguous() \

@@ -20,6 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from blockspec.layers.arrival import _last_to_arrive
 from blockspec.layers.fused import _cast, _rnd
 from blockspec.layers.gemv_rows import _dot_rows
 from blockspec.layers.pdl import pdl_sync
@@ -88,12 +89,8 @@ def _down_split_kernel(act_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, sd_ptr, res_ptr,
                            k_words, stride_act, stride_we, stride_wn, stride_se, stride_sn, dtype,
                            TOP_K, FORMAT, GROUP_N, GROUP_K, MAGIC, BLOCK_N, BLOCK_K)
     tl.store(part_ptr + unit * n + rows, val, mask=ok)
-    # NOTE: every thread's partial is stored before the one thread's release (acq_rel) of the
-    # counter; the last arrival's acquire orders its reads after every other release, and the
-    # reads skip L1 (.cg), which an earlier launch may have filled at these addresses.
-    tl.debug_barrier()
     lock = lock_ptr + tok * tl.num_programs(1) + tl.program_id(1)
-    if tl.atomic_add(lock, 1, sem="acq_rel") == units - 1:
+    if _last_to_arrive(lock, units):  # reads past L1 (.cg), then resets the counter
         base = part_ptr + tok * units * n + rows
         total = tl.zeros([BLOCK_N], dtype=tl.float32)
         for p in range(TOP_K):

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import torch
 
-from blockspec.layers.arrival import arrival_locks
+from blockspec.layers.arrival import _last_to_arrive, arrival_locks
 from blockspec.layers.fused import _cast, _jit, tl, triton
-from blockspec.layers.pdl import pdl_args, pdl_sync
+from blockspec.layers.linear import _rows_span_sum
+from blockspec.layers.pdl import pdl_args
 
 MAX_SPLITS = 8
 
@@ -27,23 +28,12 @@ def _split_gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, lock_ptr, N, K, K_SPLIT,
     block, split = tl.program_id(0), tl.program_id(1)
     rows = block * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
-    base = w_ptr + rows[:, None].to(tl.int64) * K
-    k_lo = split * K_SPLIT
-    cols = k_lo + tl.arange(0, BLOCK_K)
-    w = tl.load(base + cols[None, :], mask=rmask[:, None], other=0.0)  # a weight: before the wait
-    pdl_sync(USE_PDL)
-    acc = w.to(tl.float32) * tl.load(x_ptr + cols)[None, :].to(tl.float32)
-    for k0 in range(k_lo + BLOCK_K, k_lo + K_SPLIT, BLOCK_K):
-        cols = k0 + tl.arange(0, BLOCK_K)
-        w = tl.load(base + cols[None, :], mask=rmask[:, None], other=0.0)
-        acc += w.to(tl.float32) * tl.load(x_ptr + cols)[None, :].to(tl.float32)
-    tl.store(part_ptr + split * N + rows, tl.sum(acc, axis=1), mask=rmask)
-    # NOTE: every thread's partial is stored before the release (acq_rel) of the counter; the
-    # last arrival's acquire orders its reads (.cg: past L1) after every other release.
-    tl.debug_barrier()
+    part = _rows_span_sum(w_ptr + rows[:, None].to(tl.int64) * K, x_ptr, rmask, split * K_SPLIT,
+                          (split + 1) * K_SPLIT, BLOCK_K, USE_PDL)
+    tl.store(part_ptr + split * N + rows, part, mask=rmask)
     lock = lock_ptr + block
     splits = tl.num_programs(1)
-    if tl.atomic_add(lock, 1, sem="acq_rel") == splits - 1:
+    if _last_to_arrive(lock, splits):
         total = tl.zeros([BLOCK_N], dtype=tl.float32)
         for s in range(splits):
             total += tl.load(part_ptr + s * N + rows, mask=rmask, other=0.0, cache_modifier=".cg")
