@@ -90,6 +90,35 @@ def test_prefill_and_decode_logits_match_hf(ds_path, hf):
 
 
 @torch.no_grad()
+def test_fused_input_projections_match_hf(ds_path, hf, monkeypatch):
+    """q_proj (q_a_proj under q_lora) and kv_a_proj in one weight: the state dict unchanged,
+    one product a layer, HF's logits; a weight replaced afterwards takes the two again."""
+    import blockspec.models.deepseek_v3 as ds
+
+    model = load_model(ds_path, ModelConfig.from_pretrained(ds_path), torch.float32, "cpu")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    layers = [layer.self_attn for layer in model.model.layers]
+    assert model.fuse_projections() == len(layers)
+    after = model.state_dict()
+    assert after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in after)
+    products, fused_linear = [], ds.linear
+    monkeypatch.setattr(ds, "linear", lambda *a: products.append(1) or fused_linear(*a))
+    ids = prompt(40, seed=2)
+    ref = hf(torch.tensor([ids])).logits[0]
+    cache = PagedCache(model)
+    (first,), _ = cache.forward([([2, 0, 4], 0, ids[:30])])
+    (rest,), _ = cache.forward([([2, 0, 4], 30, ids[30:])])
+    torch.testing.assert_close(torch.cat([first, rest]), ref, **TOL)
+    assert len(products) == 2 * len(layers)
+    kv = layers[0].kv_a_proj_with_mqa
+    kv.weight = torch.nn.Parameter(kv.weight.detach().clone(), requires_grad=False)
+    products.clear()
+    (again,), _ = PagedCache(model).forward([([2, 0, 4], 0, ids)])
+    torch.testing.assert_close(again, ref, **TOL)
+    assert len(products) == len(layers) - 1
+
+
+@torch.no_grad()
 def test_triton_experts_give_the_same_logits(ds_path, hf):
     """The MoE layers' grouped-GEMM experts (Triton, interpreted here) in the whole model."""
     model = load_model(ds_path, ModelConfig.from_pretrained(ds_path), torch.float32, "cpu")
@@ -160,6 +189,8 @@ def test_greedy_generation_matches_hf_generate(ds_path, hf):
     prompts = [prompt(n, seed=n) for n in (5, 33, 70)]
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     llm = LLM(str(ds_path), device="cpu", num_kv_blocks=64, max_num_seqs=2)
+    assert all(layer.self_attn.input_weight is not None  # the engine fuses q and kv_a
+               for layer in llm.engine.model.model.layers)
     got = [o.token_ids for o in llm.generate(prompts, params)]
     ref = [hf.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False, eos_token_id=None,
                        pad_token_id=0)[0, len(p):].tolist() for p in prompts]

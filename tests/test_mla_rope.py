@@ -73,6 +73,35 @@ def test_kernel_matches_the_torch_twin(dtype, interleaved):
     torch.testing.assert_close(e_tri[..., :latent], e_ref[..., :latent])  # fp32 sum order
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_writes_entries_into_their_cache_slots(dtype):
+    """Given the paged cache and slot mapping the kernel writes each entry where store_kv would
+    (slot -1 nowhere, every other slot untouched) and leaves `entry` alone."""
+    t, h, latent, r = 5, 3, 40, 8
+    q_pe, kv, w = _inputs(t, h, latent, r, dtype)
+    rotary = RotaryEmbedding(r, 64, RopeConfig())
+    positions = torch.tensor([0, 7, 3, 63, 12])
+    slots = torch.tensor([17, -1, 0, 31, 9])
+    cache = torch.randn(3, 16, 1, latent + r, generator=torch.Generator().manual_seed(5)).to(dtype)
+    ref_cache = cache.clone()
+    q_ref = torch.empty(t, h, r, dtype=dtype)
+    entry = torch.empty(t, 1, latent + r, dtype=dtype)
+    assert not mla_rope_norm(q_pe, kv, positions, rotary.cos_cache, rotary.sin_cache, w, 1e-6,
+                             q_ref, entry, True, use_triton=True)
+    keep = slots >= 0
+    ref_cache.view(-1, 1, latent + r)[slots[keep]] = entry[keep]
+    q_got = torch.empty_like(q_ref)
+    untouched = torch.full_like(entry, float("nan"))
+    assert mla_rope_norm(q_pe, kv, positions, rotary.cos_cache, rotary.sin_cache, w, 1e-6,
+                         q_got, untouched, True, use_triton=True, cache=cache, slot_mapping=slots)
+    assert torch.equal(q_got, q_ref) and torch.equal(cache, ref_cache)
+    assert untouched.isnan().all()
+    # the torch path has no cache write of its own: the caller's store_kv does it
+    assert not mla_rope_norm(q_pe, kv, positions, rotary.cos_cache, rotary.sin_cache, w, 1e-6,
+                             q_got, entry, True, use_triton=False, cache=cache,
+                             slot_mapping=slots)
+
+
 def test_reorder_is_the_runtime_deinterleave(ds_path):
     """A reordered projection's output is the original output with each rope span's evens
     first, then its odds (what the forward would otherwise do), for bf16 and e4m3 bytes."""

@@ -210,12 +210,13 @@ def main() -> int:
     compile_moe_decode()
     import blockspec.layers.mla_fused as mf
 
-    for interleaved in (True, False):  # DeepSeek-V3's 512 + 64 latent
+    # DeepSeek-V3's 512 + 64 latent, into `entry` or straight into 16-slot cache blocks
+    for interleaved, block_size in ((True, 0), (False, 0), (True, 16)):
         consts = dict(LATENT=512, ROPE=64, HALF_BLOCK=32, LATENT_BLOCK=512,
-                      INTERLEAVED=interleaved)
+                      INTERLEAVED=interleaved, BLOCK_SIZE=block_size)
         kernel = compile_kernel_sm90(mf._mla_rope_norm_kernel, consts, dict(
             q_ptr="*bf16", kv_ptr="*bf16", pos_ptr="*i64", cos_ptr="*fp32", sin_ptr="*fp32",
-            w_ptr="*bf16", q_out_ptr="*bf16", entry_ptr="*bf16", eps="fp32"),
+            w_ptr="*bf16", q_out_ptr="*bf16", entry_ptr="*bf16", slot_ptr="*i64", eps="fp32"),
             num_warps=4, enable_fp_fusion=False)
         assert "cubin" in kernel.asm
     import blockspec.layers.mla_absorb as ma

@@ -23,6 +23,7 @@ from helpers import NanEmptyTorch, run_file_with_triton_interpreter  # noqa: E40
 
 import blockspec.layers.triton_mla as mla  # noqa: E402
 from blockspec.layers.attention import AttentionMetadata, TorchAttentionBackend  # noqa: E402
+from blockspec.layers.triton_kv_store import store_kv  # noqa: E402
 from blockspec.layers.triton_mla import TritonMLABackend  # noqa: E402
 
 TRITON_HERE = DEVICE == "cuda" or all(
@@ -225,11 +226,15 @@ def test_bad_shapes_are_refused():
 
 @needs_triton
 @pytest.mark.skipif(DEVICE == "cuda", reason="a CPU model run (the interpreter is off here)")
-def test_tiny_deepseek_v3_logits_match_torch_backend(tmp_path):
+def test_tiny_deepseek_v3_logits_match_torch_backend(tmp_path, monkeypatch):
     """The whole tiny DeepSeek-V3 (4 heads, a 32 + 8 latent) with the MLA backend on its
-    attention layers: a prefill, then a verify block and a decode over the cached latents."""
+    attention layers: a prefill, then a verify block and a decode over the cached latents; with
+    the Triton rope + norm too, which then writes the latents into the cache itself."""
+    import functools
+
     from helpers import PagedCache
 
+    import blockspec.models.deepseek_v3 as ds
     from blockspec.config import ModelConfig
     from blockspec.layers.attention import PagedAttention
     from blockspec.models.loader import load_model
@@ -241,14 +246,22 @@ def test_tiny_deepseek_v3_logits_match_torch_backend(tmp_path):
     ids = torch.randint(1, 500, (40,), generator=torch.Generator().manual_seed(0)).tolist()
     steps = [[([3, 1, 4], 0, ids[:30])], [([3, 1, 4], 30, ids[30:39])], [([3, 1, 4], 39, ids[39:])]]
     logits = {}
-    for name in ("torch", "triton_mla"):
+    direct = functools.partial(ds.mla_rope_norm, use_triton=True)
+    stores = []
+    monkeypatch.setattr(mla, "store_kv", lambda *args: stores.append(1) or store_kv(*args))
+    for name in ("torch", "triton_mla", "direct"):
+        if name == "direct":
+            monkeypatch.setattr(ds, "mla_rope_norm", direct)
         cache = PagedCache(model, num_blocks=8)
         layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
         for layer in layers:  # NOTE: the runner binds one latent cache as K and V
             layer.v_cache = layer.k_cache
             layer.backend = TORCH if name == "torch" else TritonMLABackend(cfg.mla.kv_lora_rank)
+        stores.clear()
         logits[name] = torch.cat([cache.forward(batch)[0][0] for batch in steps])
+        assert len(stores) == (0 if name != "triton_mla" else 2 * len(steps))
     torch.testing.assert_close(logits["triton_mla"], logits["torch"], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(logits["direct"], logits["torch"], atol=1e-4, rtol=1e-4)
     assert logits["torch"].abs().max() > 1.0
 
 

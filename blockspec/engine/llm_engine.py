@@ -70,6 +70,9 @@ class LLMEngine:
             # NOTE: the drafter's pool shares the block ids: each block costs both pools' bytes.
             per_block += kv_bytes_per_block(drafter.config.geometry, config.kv_block_size,
                                             self.dtype)
+        fuse = getattr(self.model, "fuse_projections", None)
+        if fuse is not None:  # NOTE: after loading and sharding, which replace weights
+            fuse()
         self.attention_backend, self.linear_backend = set_backends(
             self.model, drafter, config, mc, self.device)
         activation = 0

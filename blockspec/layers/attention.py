@@ -158,9 +158,15 @@ class PagedAttention(nn.Module):
         self.k_cache = torch.empty(0)
         self.v_cache = torch.empty(0)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def direct_cache(self) -> torch.Tensor | None:
+        """The cache a fused op may write this step's K (= V) into itself, calling forward
+        with k = v = None: k_cache where the backend attends over k_cache alone (an MLA latent
+        bound as both caches), else None (forward's store_kv writes both)."""
+        return self.k_cache if getattr(self.backend, "reads_k_cache_only", False) else None
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                 meta: AttentionMetadata) -> torch.Tensor:
-        """q: [T, Hq, D], k/v: [T, Hkv, D] -> [T, Hq, D]."""
+        """q: [T, Hq, D], k/v: [T, Hkv, D] (None: already in the cache) -> [T, Hq, D]."""
         if k is not None:
             self.backend.store_kv(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
         return self.backend.attend(q, self.k_cache, self.v_cache, meta, self.scale)

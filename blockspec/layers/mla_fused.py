@@ -3,7 +3,9 @@
 `mla_rope_norm` ropes each head's query rope part into the attention query's rope columns,
 RMS-normalises the KV latent and ropes the shared rope key into the cache entry: on CUDA one
 Triton launch where the eager composition (contiguous copy, norm, de-interleave, rotary, two
-concatenations) takes some twenty. Rounding follows the eager ops exactly, as in fused.py;
+concatenations) takes some twenty. Given the paged latent cache and the slot mapping, the
+kernel writes the entry straight into its cache slot, so the attention's KV store (one launch
+a layer) is skipped. Rounding follows the eager ops exactly, as in fused.py;
 the norm's fp32 sum may differ from torch's in reduction order only.
 """
 
@@ -41,10 +43,11 @@ def _rope_row(src, dst, cos, sin, offs, mask, half: tl.constexpr, dtype: tl.cons
 
 @_jit
 def _mla_rope_norm_kernel(
-    q_ptr, kv_ptr, pos_ptr, cos_ptr, sin_ptr, w_ptr, q_out_ptr, entry_ptr,
+    q_ptr, kv_ptr, pos_ptr, cos_ptr, sin_ptr, w_ptr, q_out_ptr, entry_ptr, slot_ptr,
     q_stride0, q_stride1, kv_stride, qo_stride0, qo_stride1, entry_stride, cos_stride,
-    num_heads, eps, LATENT: tl.constexpr, ROPE: tl.constexpr, HALF_BLOCK: tl.constexpr,
-    LATENT_BLOCK: tl.constexpr, INTERLEAVED: tl.constexpr, USE_PDL: tl.constexpr = False,
+    stride_cb, stride_cs, num_heads, eps, LATENT: tl.constexpr, ROPE: tl.constexpr,
+    HALF_BLOCK: tl.constexpr, LATENT_BLOCK: tl.constexpr, INTERLEAVED: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr = 0, USE_PDL: tl.constexpr = False,
 ):
     pdl_sync(USE_PDL)
     # One program per (token, head); program `num_heads` of a token is its cache entry's.
@@ -64,9 +67,17 @@ def _mla_rope_norm_kernel(
     else:
         src = kv_ptr + tok * kv_stride
         dst = entry_ptr + tok * entry_stride
+        lmask = tl.arange(0, LATENT_BLOCK) < LATENT
+        if BLOCK_SIZE:  # entry_ptr is the paged cache: the token's slot, as store_kv finds it
+            slot = tl.load(slot_ptr + tok).to(tl.int64)
+            # NOTE: slot -1 (padding) is written nowhere, as in store_kv (the slot broadcast
+            # first: the interpreter takes only tensor masks)
+            mask = mask & (offs * 0 + slot >= 0)
+            lmask = lmask & (tl.arange(0, LATENT_BLOCK) * 0 + slot >= 0)
+            slot = tl.maximum(slot, 0)
+            dst = entry_ptr + (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs
         _rope_row(src + LATENT, dst + LATENT, cos, sin, offs, mask, half, dtype, INTERLEAVED)
         loffs = tl.arange(0, LATENT_BLOCK)
-        lmask = loffs < LATENT
         x = tl.load(src + loffs, mask=lmask, other=0.0).to(tl.float32)
         rstd = tl.math.rsqrt(tl.sum(x * x, axis=0) / LATENT + eps)
         w = tl.load(w_ptr + loffs, mask=lmask, other=0.0).to(tl.float32)
@@ -95,11 +106,16 @@ def _torch_mla_rope_norm(q_pe, kv, positions, cos_cache, sin_cache, norm_weight,
 def mla_rope_norm(q_pe: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor,
                   cos_cache: torch.Tensor, sin_cache: torch.Tensor, norm_weight: torch.Tensor,
                   eps: float, q_out: torch.Tensor, entry: torch.Tensor, interleaved: bool,
-                  use_triton: bool | None = None) -> None:
+                  use_triton: bool | None = None, cache: torch.Tensor | None = None,
+                  slot_mapping: torch.Tensor | None = None) -> bool:
     """q_pe [T, H, R] (each head's query rope part) -> roped into q_out [T, H, R]; kv [T, L + R]
     (kv_a_proj's output: latent, then the rope key) -> entry [T, 1, L + R] = [rms_norm(latent),
     roped key]. `interleaved`: the rope dims pair (0, 1), (2, 3), ... (else rotate-half halves).
-    Outputs may be strided views (columns of a wider tensor); the last dim must be dense."""
+    Outputs may be strided views (columns of a wider tensor); the last dim must be dense.
+
+    With the paged latent `cache` [N, block_size, 1, L + R] and `slot_mapping` [T] the Triton
+    kernel writes each entry into its cache slot instead (slot -1: nowhere), as store_kv would,
+    and returns True; otherwise (the torch path) `entry` holds it and the result is False."""
     t, h, r = q_pe.shape
     latent = norm_weight.shape[0]
     assert kv.shape == (t, latent + r) and q_out.shape == q_pe.shape
@@ -107,17 +123,25 @@ def mla_rope_norm(q_pe: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor,
     if not _want_triton(kv, use_triton):
         _torch_mla_rope_norm(q_pe, kv, positions, cos_cache, sin_cache, norm_weight, eps, q_out,
                              entry, interleaved)
-        return
+        return False
     # NOTE: layouts are checked on shapes/strides only (no host sync: graph capture is safe).
     assert q_pe.stride(-1) == kv.stride(-1) == q_out.stride(-1) == entry.stride(-1) == 1
     assert cos_cache.is_contiguous() and sin_cache.is_contiguous() and norm_weight.is_contiguous()
+    direct = cache is not None and slot_mapping is not None
+    if direct:
+        assert cache.shape[2:] == (1, latent + r) and cache.stride(3) == 1
+        assert cache.dtype == kv.dtype and slot_mapping.shape == (t,)
     if t == 0:
-        return
+        return direct
+    dst = cache if direct else entry
     half_block = triton.next_power_of_2(r // 2)
     latent_block = triton.next_power_of_2(latent)
     _mla_rope_norm_kernel[(t, h + 1)](
-        q_pe, kv, positions, cos_cache, sin_cache, norm_weight, q_out, entry,
-        q_pe.stride(0), q_pe.stride(1), kv.stride(0), q_out.stride(0), q_out.stride(1),
-        entry.stride(0), cos_cache.stride(0), h, eps, LATENT=latent, ROPE=r,
+        q_pe, kv, positions, cos_cache, sin_cache, norm_weight, q_out, dst,
+        slot_mapping if direct else positions, q_pe.stride(0), q_pe.stride(1), kv.stride(0),
+        q_out.stride(0), q_out.stride(1), entry.stride(0), cos_cache.stride(0),
+        dst.stride(0), dst.stride(1), h, eps, LATENT=latent, ROPE=r,
         HALF_BLOCK=half_block, LATENT_BLOCK=latent_block, INTERLEAVED=interleaved,
+        BLOCK_SIZE=cache.shape[1] if direct else 0,
         num_warps=1 if latent_block <= 256 else 4, enable_fp_fusion=False, **pdl_args(kv.device))
+    return direct

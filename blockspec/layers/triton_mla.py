@@ -171,6 +171,9 @@ class TritonMLABackend:
     """An AttentionBackend for absorbed MLA over a latent cache bound as both K and V cache."""
 
     name = "triton_mla"
+    # NOTE: attend reads only k_cache (V is K's latent), so a fused op may write entries
+    # straight into it (PagedAttention.direct_cache; layers/mla_fused.py).
+    reads_k_cache_only = True
 
     def __init__(self, kv_lora_rank: int = 512, max_block_m: int = 32,
                  num_splits: int | None = None, split_keys: int | None = None,

@@ -21,7 +21,7 @@ from blockspec.config import ModelConfig
 from blockspec.layers.attention import AttentionMetadata, PagedAttention
 from blockspec.layers.fused import rms_norm
 from blockspec.layers.fused_moe import fused_experts
-from blockspec.layers.linear import Linear, router_logits
+from blockspec.layers.linear import Linear, linear, router_logits
 from blockspec.layers.mla_absorb import absorb
 from blockspec.layers.mla_fused import mla_rope_norm
 from blockspec.layers.moe import (
@@ -77,21 +77,51 @@ class MLAttention(nn.Module):
         self.rope_rows_permuted = permutes_rope_at_load(cfg)
         # NOTE: one latent "KV head"; the runner binds the same tensor as K and V cache.
         self.attn = PagedAttention(self.num_heads, 1, mla.latent_dim, mla_softmax_scale(cfg))
+        self.input_weight: torch.Tensor | None = None  # fuse_input_projections'
 
-    def _queries(self, x: torch.Tensor) -> torch.Tensor:
-        if self.mla.q_lora_rank is None:
-            q = self.q_proj(x)
-        else:
+    def _input_projections(self) -> tuple[nn.Module, nn.Module]:
+        """The two projections of the layer's input: (q_proj or q_a_proj, kv_a_proj)."""
+        q = self.q_proj if self.mla.q_lora_rank is None else self.q_a_proj
+        return q, self.kv_a_proj_with_mqa
+
+    def fuse_input_projections(self) -> bool:
+        """Moves both input projections' weights into one tensor, each keeping its rows as a
+        view, so the forward runs one GEMV (or GEMM) where it ran two, as vLLM's
+        fused_qkv_a_proj does. Plain bias-free Linears of one dtype only (a quantized or biased
+        one stays apart); returns whether it fused. Call it after loading and sharding: a
+        weight replaced later (a view no more) takes the two projections again."""
+        q, kv = self._input_projections()
+        if type(q) is not Linear or type(kv) is not Linear or q.bias is not None \
+                or kv.bias is not None or q.weight.dtype != kv.weight.dtype:
+            return False
+        fused = torch.cat([q.weight.detach(), kv.weight.detach()])
+        q.weight = nn.Parameter(fused[:q.out_features], requires_grad=False)
+        kv.weight = nn.Parameter(fused[q.out_features:], requires_grad=False)
+        self.input_weight = fused
+        return True
+
+    def _project_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q_proj(x) or q_a_proj(x), kv_a_proj(x)): one product where they are fused."""
+        q, kv = self._input_projections()
+        w = self.input_weight
+        if w is not None and q.weight.data_ptr() == w.data_ptr() \
+                and kv.weight.data_ptr() == w[q.out_features:].data_ptr():
+            return linear(x, w, None, kv.backend).split([q.out_features, kv.out_features], 1)
+        return q(x), kv(x)
+
+    def _queries(self, q: torch.Tensor) -> torch.Tensor:
+        """The query heads from q_proj's output (or q_a_proj's, under q_lora)."""
+        if self.mla.q_lora_rank is not None:
             norm = self.q_a_layernorm
-            q = self.q_b_proj(rms_norm(self.q_a_proj(x), norm.weight, norm.eps))
+            q = self.q_b_proj(rms_norm(q, norm.weight, norm.eps))
         return q.view(-1, self.num_heads, self.qk_head_dim)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
         mla, h, t = self.mla, self.num_heads, x.shape[0]
         nope, rank = mla.qk_nope_head_dim, mla.kv_lora_rank
-        q = self._queries(x)
-        kv = self.kv_a_proj_with_mqa(x)
+        q, kv = self._project_input(x)
+        q = self._queries(q)
         w_uk, w_uv = self.kv_b_proj.weight.view(h, -1, rank).split([nope, mla.v_head_dim], dim=1)
         # NOTE: the attention query [absorbed q_nope, roped q_pe] and the cache entry [normed
         # latent, roped k_pe] are written in place into their column slices (no concatenation).
@@ -100,10 +130,14 @@ class MLAttention(nn.Module):
         # NOTE: the absorbs follow the linear backend (kv_b_proj's: "triton" on a GPU)
         absorb(q[..., :nope], w_uk.transpose(1, 2), q_attn[..., :rank], self.kv_b_proj.backend)
         norm = self.kv_a_layernorm
-        mla_rope_norm(q[..., nope:], kv, positions, self.rotary.cos_cache,
-                      self.rotary.sin_cache, norm.weight, norm.eps, q_attn[..., rank:], entry,
-                      interleaved=mla.rope_interleave and not self.rope_rows_permuted)
-        out = self.attn(q_attn, entry, entry, meta)[..., :rank]
+        # NOTE: with the Triton MLA attention the fused op writes the entry into the cache
+        # itself (one launch a layer fewer); else the attention's store_kv does
+        stored = mla_rope_norm(q[..., nope:], kv, positions, self.rotary.cos_cache,
+                               self.rotary.sin_cache, norm.weight, norm.eps, q_attn[..., rank:],
+                               entry, mla.rope_interleave and not self.rope_rows_permuted,
+                               cache=self.attn.direct_cache(), slot_mapping=meta.slot_mapping)
+        kv_in = None if stored else entry
+        out = self.attn(q_attn, kv_in, kv_in, meta)[..., :rank]
         o = x.new_empty(t, h, mla.v_head_dim)
         absorb(out, w_uv, o, self.kv_b_proj.backend)
         return self.o_proj(o.view(t, h * mla.v_head_dim))
@@ -239,6 +273,12 @@ class DeepseekV3ForCausalLM(CausalLM):
         if not self.rope_rows_permuted:
             return tensor
         return permute_rope_rows(self.config, name, tensor)
+
+    def fuse_projections(self) -> int:
+        """Fuses every layer's input projections (MLAttention.fuse_input_projections); the
+        engine calls it once the weights are loaded and sharded. Returns the layers fused."""
+        return sum(m.fuse_input_projections() for m in self.modules()
+                   if isinstance(m, MLAttention))  # NOTE: wrapped under tensor parallelism
 
     def expert_counts(self) -> torch.Tensor:
         """[distinct routed experts selected, MoE layer forwards], summed over every MoE layer
