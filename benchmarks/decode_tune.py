@@ -6,6 +6,7 @@ program per pick, both) and blockspec/bench/mla_tune.py's `sweep_mla` (16 heads 
 contexts 640 and 4096, 64 heads at 640).
 
 Usage: python benchmarks/decode_tune.py --out FILE.json [--skip mla,kimi,moonlight,tokens,split]
+    [--int4-dequants subnormal,mask]
 """
 
 from __future__ import annotations
@@ -27,7 +28,10 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--skip", default="", help="mla,kimi,moonlight,tokens,split")
+    ap.add_argument("--int4-dequants", default="mask,subnormal",
+                    help="int4 unpackings the kimi and tokens sections sweep")
     args = ap.parse_args()
+    dequants = tuple(filter(None, args.int4_dequants.split(",")))
     skip = set(filter(None, args.skip.split(",")))
     dev, out = torch.device("cuda"), Path(args.out)
     res: dict = {"command": recorded_command("benchmarks/decode_tune.py"),
@@ -43,15 +47,14 @@ def main() -> int:
         res["mla_64_heads"] = sweep_mla(64, (640,), dev)
         save()
     if "kimi" not in skip:
-        res["experts_kimi_int4"] = sweep_wide("kimi_int4", 2, dev, ("mask", "subnormal"))
+        res["experts_kimi_int4"] = sweep_wide("kimi_int4", 2, dev, dequants)
         save()
         torch.cuda.empty_cache()
     if "moonlight" not in skip:
         res["experts_moonlight_bf16"] = sweep_wide("moonlight_bf16", 4, dev, ("magic",))
         save()
     if "tokens" not in skip:
-        res["tokens_kimi_int4"] = sweep_tokens("kimi_int4", 2, dev,
-                                               ("subnormal", "mask"))
+        res["tokens_kimi_int4"] = sweep_tokens("kimi_int4", 2, dev, dequants)
         save()
         torch.cuda.empty_cache()
     if "split" not in skip:

@@ -162,15 +162,19 @@ def test_split_down_equals_the_looping_kernel_bit_for_bit(case):
     assert not arrival_locks(x.device, 1).any()
 
 
-@pytest.mark.parametrize("t,k", [(1, 8), (3, 2)])
-@pytest.mark.parametrize("tiles", [None, SMALL, SPLIT])
-def test_int4_subnormal_unpacking_matches_the_dequantized_reference(t, k, tiles):
+@pytest.mark.parametrize("t,k,group,tiles", [
+    *[(t, k, 8, tiles) for t, k in ((1, 8), (3, 2)) for tiles in (None, SMALL, SPLIT)],
+    (1, 8, 32, None), (2, 4, 16, SMALL)])
+def test_int4_subnormal_unpacking_matches_the_dequantized_reference(t, k, group, tiles):
     """"subnormal" (int4_bits.SUBNORMAL: each nibble an fp32 subnormal against inputs scaled by
     a power of two, the bias off once per word): the fp32 reference over dequantized weights up
-    to fp32 rounding, with K (104) and I (40) padded to whole tiles in SMALL."""
+    to fp32 rounding, with K (104, or 96) and I (40, 48 or 96) padded to whole tiles in SMALL.
+    Groups of 16 or 32 columns: the words' sums scaled once a group where whole groups fill a
+    tile (the default tiles, SMALL's gate_up), else once a word (SMALL's down)."""
     g = torch.Generator().manual_seed(17 + t)
-    e, h, i = 8, 104 if tiles else 128, 40 if tiles else 64
-    gate_up, down = int4((e, 2 * i), h, 8, g), int4((e, h), i, 8, g)
+    e, h = 8, (104 if group == 8 else 96) if tiles else 128
+    i = {8: 40, 16: 48, 32: 96}[group] if tiles else 64
+    gate_up, down = int4((e, 2 * i), h, group, g), int4((e, h), i, group, g)
     x = torch.randn(t, h, generator=g) * 4
     ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
     weights = torch.rand(t, k, generator=g)

@@ -157,7 +157,8 @@ def sweep_decode_experts(name: str, layers: int, dev: torch.device,
 # Wider tiles (more loads in flight a thread) for each kernel; int4's "magic" only where its
 # [rows, words, 8] fp32 tile fits in registers.
 WIDE_GRID = {"int4": [(4, 1024, 4), (8, 256, 4), (8, 512, 4), (8, 1024, 4), (8, 2048, 4),
-                      (4, 2048, 4), (8, 1024, 8), (16, 1024, 8), (8, 512, 2), (8, 1024, 2)],
+                      (4, 2048, 4), (8, 1024, 8), (16, 1024, 8), (8, 512, 2), (8, 1024, 2),
+                      (16, 1024, 4), (16, 1024, 2), (8, 2048, 2), (16, 512, 2)],
              "bf16": [(4, 256, 4), (4, 512, 8), (4, 512, 4), (4, 1024, 4), (8, 512, 4),
                       (2, 1024, 4), (4, 1024, 8), (8, 1024, 8), (2, 2048, 4)]}
 

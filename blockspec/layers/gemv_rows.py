@@ -44,31 +44,40 @@ def _int4_chunk(w_rows, s_rows, v_ptr, row_ok, k0, k_words, GROUP_K: tl.constexp
 
 
 @triton.jit
-def _sub_chunk(w_rows, s_rows, row_ok, k0, k_words, GROUP_K: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr):
-    """Word columns [rows, W] of columns k0.. (each row the same), the packed words and their
-    scales [rows, W] (masked past K)."""
-    # NOTE: the columns as [rows, W]: subnormal inputs load in the words' layout, not converted
-    # to it through shared memory
-    kw = k0 // 8 + tl.arange(0, BLOCK_K // 8)[None, :] + tl.zeros([BLOCK_N, 1], dtype=tl.int32)
-    ok = row_ok[:, None] & (kw < k_words)
-    words = tl.load(w_rows + kw, mask=ok, other=0)
-    return kw, words, tl.load(s_rows + kw // (GROUP_K // 8), mask=ok, other=0.0)
+def _int4_rows_subnormal(w_rows, s_base, s_offs, v_ptr, row_ok, K, k_words,
+                         GROUP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """sum_k W[rows, k] v[k] [BLOCK_N] fp32 for int4 rows against subnormal inputs at v_ptr;
+    the rows' scales start at s_base + s_offs [BLOCK_N].
 
+    The words' sums add up per scale group (G words; one where a group is not a power of two
+    within the tile) in registers, and each group's scale loads once and multiplies once.
 
-@triton.jit
-def _int4_rows_subnormal(w_rows, s_rows, v_ptr, row_ok, K, k_words, GROUP_K: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """sum_k W[rows, k] v[k] [BLOCK_N] fp32 for int4 rows against subnormal inputs at v_ptr.
-
-    NOTE: loading the next chunk's words while computing one (a register prefetch) measured
-    slower on an H200 (0.130 against 0.096 ms a layer at one token; docs/benchmarks.md)."""
-    t_stride = tl.cdiv(k_words, BLOCK_K // 8) * (BLOCK_K // 8)  # subnormal_words
-    acc = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
+    NOTE: with a scale per word (a 2-byte gather of repeated addresses) gate_up's default tiles
+    compiled to 127 registers a thread and 424 instructions a loop iteration for sm_90; this way
+    80 and 405. Loading the next chunk's words while computing one (a register prefetch)
+    measured slower on an H200 (0.130 against 0.096 ms a layer at one token;
+    docs/benchmarks.md)."""
+    W: tl.constexpr = BLOCK_K // 8
+    GROUPED: tl.constexpr = (BLOCK_K % GROUP_K == 0) & (GROUP_K & (GROUP_K - 1) == 0)
+    G: tl.constexpr = GROUP_K // 8 if GROUPED else 1
+    t_stride = tl.cdiv(k_words, W) * W  # subnormal_words
+    # NOTE: the word columns as [rows, W] (each row the same): subnormal inputs load in the
+    # words' layout, not converted to it through shared memory
+    cols = tl.arange(0, W)[None, :] + tl.zeros([BLOCK_N, 1], dtype=tl.int32)
+    acc = tl.zeros([BLOCK_N, W // G], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        kw, words, s = _sub_chunk(w_rows, s_rows, row_ok, k0, k_words, GROUP_K, BLOCK_N,
-                                  BLOCK_K)
-        acc = tl.fma(_int4_dot_subnormal(words, v_ptr, kw, t_stride), s.to(tl.float32), acc)
+        kw = k0 // 8 + cols
+        ok = row_ok[:, None] & (kw < k_words)
+        words = tl.load(w_rows + kw, mask=ok, other=0)
+        part = _int4_dot_subnormal(words, v_ptr, kw, t_stride)
+        if GROUPED:
+            part = tl.sum(tl.reshape(part, [BLOCK_N, W // G, G]), 2)  # in each thread
+            g = k0 // GROUP_K + tl.arange(0, W // G)
+            s = tl.load(s_base + s_offs[:, None] + g[None, :],
+                        mask=row_ok[:, None] & (g < tl.cdiv(k_words, G))[None, :], other=0.0)
+        else:
+            s = tl.load(s_base + s_offs[:, None] + kw // (GROUP_K // 8), mask=ok, other=0.0)
+        acc = tl.fma(part, s.to(tl.float32), acc)
     return tl.sum(acc, 1)
 
 
@@ -88,8 +97,8 @@ def _dot_rows(w_base, s_base, v_ptr, rows, row_ok, K, k_words, stride_wn, stride
     if FORMAT == 1:  # INT4
         s_rows = s_base + rows[:, None].to(tl.int64) * stride_sn
         if MAGIC == 1:  # subnormal (int4_bits.SUBNORMAL): v_ptr holds subnormal_inputs' rows
-            out = _int4_rows_subnormal(w_rows, s_rows, v_ptr, row_ok, K, k_words, GROUP_K,
-                                       BLOCK_N, BLOCK_K)
+            out = _int4_rows_subnormal(w_rows, s_base, rows.to(tl.int64) * stride_sn, v_ptr,
+                                       row_ok, K, k_words, GROUP_K, BLOCK_N, BLOCK_K)
         elif MAGIC == 0x4B000000:  # masked in place (int4_bits.MASK32): a [rows, words] sum
             acc = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
