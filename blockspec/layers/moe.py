@@ -7,6 +7,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from blockspec.layers.linear import router_logits
+
 
 def select_experts_reference(router_logits: torch.Tensor,
                              correction_bias: torch.Tensor | None,
@@ -90,3 +92,30 @@ def count_experts(ids: torch.Tensor, num_experts: int, stats: torch.Tensor) -> N
     hit = torch.zeros(num_experts, dtype=torch.bool, device=ids.device)
     stats += torch.stack([hit.index_fill_(0, ids.reshape(-1), True).sum(),
                           torch.ones((), dtype=torch.int64, device=ids.device)])
+
+
+def route_tokens(x: torch.Tensor, gate_weight: torch.Tensor,
+                 correction_bias: torch.Tensor | None, moe, backend: str = "torch"
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A MoE layer's picks for x [T, H] through its router (gate_weight [E, H], fp32 logits as
+    HF computes them: bf16 logits would change the picks) under the config `moe`
+    (deepseek_config.MoEConfig): (weights [T, top_k] in x's dtype, ids [T, top_k] int64). With
+    backend "triton" a decode token's noaux_tc routing is one launch (router_gemv.py)."""
+    if backend == "triton" and moe.scoring_func == "sigmoid" and x.shape[0] == 1:
+        from blockspec.layers.router_gemv import route_gemv  # needs triton
+
+        picked = route_gemv(x, gate_weight, correction_bias, moe.num_experts_per_tok,
+                            moe.n_group, moe.topk_group, moe.norm_topk_prob,
+                            moe.routed_scaling_factor, x.dtype)
+        if picked is not None:
+            return picked
+    logits = router_logits(x, gate_weight, backend)
+    if moe.scoring_func == "softmax":
+        weights, ids = select_experts_softmax(
+            logits, moe.num_experts_per_tok, moe.n_group, moe.topk_group,
+            moe.topk_method == "group_limited_greedy", moe.routed_scaling_factor)
+    else:
+        weights, ids = select_experts(logits, correction_bias, moe.num_experts_per_tok,
+                                      moe.n_group, moe.topk_group, moe.norm_topk_prob,
+                                      moe.routed_scaling_factor, x.dtype)
+    return weights.to(x.dtype), ids

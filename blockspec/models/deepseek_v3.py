@@ -21,15 +21,10 @@ from blockspec.config import ModelConfig
 from blockspec.layers.attention import AttentionMetadata, PagedAttention
 from blockspec.layers.fused import rms_norm
 from blockspec.layers.fused_moe import fused_experts
-from blockspec.layers.linear import Linear, linear, router_logits
+from blockspec.layers.linear import Linear, linear
 from blockspec.layers.mla_absorb import absorb
 from blockspec.layers.mla_fused import mla_rope_norm
-from blockspec.layers.moe import (
-    count_experts,
-    experts_reference,
-    select_experts,
-    select_experts_softmax,
-)
+from blockspec.layers.moe import count_experts, experts_reference, route_tokens
 from blockspec.layers.moe_decode import folds_shared
 from blockspec.layers.norm import RMSNorm
 from blockspec.layers.rotary import RotaryEmbedding, yarn_mscale
@@ -200,19 +195,8 @@ class MoE(nn.Module):
                              persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        moe = self.moe
-        # NOTE: the router in fp32, as HF computes it (bf16 logits would change the picks)
-        logits = router_logits(x, self.gate.weight, self.experts_backend)
-        if moe.scoring_func == "softmax":
-            weights, ids = select_experts_softmax(
-                logits, moe.num_experts_per_tok, moe.n_group, moe.topk_group,
-                moe.topk_method == "group_limited_greedy", moe.routed_scaling_factor)
-        else:
-            weights, ids = select_experts(logits, self.gate.e_score_correction_bias,
-                                          moe.num_experts_per_tok, moe.n_group, moe.topk_group,
-                                          moe.norm_topk_prob, moe.routed_scaling_factor,
-                                          x.dtype)
-        weights = weights.to(x.dtype)
+        weights, ids = route_tokens(x, self.gate.weight, self.gate.e_score_correction_bias,
+                                    self.moe, self.experts_backend)
         fold = self.shared_fold(ids)
         if fold is not None:
             return self.experts(x, weights, ids, self.experts_backend, self.expert_counts,
