@@ -229,15 +229,6 @@ def main() -> int:
 
     assert "cubin" in compile_sm90(sg._split_gemv_kernel, dict(BLOCK_N=2, BLOCK_K=512), dict(
         x_ptr="*bf16", w_ptr="*fp32", y_ptr="*fp32", part_ptr="*fp32", lock_ptr="*i32"))
-    import blockspec.layers.router_gemv as rg
-
-    for e, k, groups in ((64, 6, (1, 1)), (384, 8, (1, 1)), (256, 8, (8, 4))):
-        consts = dict(E=e, E_PAD=triton.next_power_of_2(e), TOP_K=k, K_PAD=8, N_GROUP=groups[0],
-                      TOPK_GROUP=groups[1], HAS_BIAS=True, NORM=True, BLOCK_N=2, BLOCK_K=512)
-        assert "cubin" in compile_sm90(rg._router_gemv_kernel, consts, dict(
-            x_ptr="*bf16", w_ptr="*fp32", logits_ptr="*fp32", part_ptr="*fp32",
-            lock_ptr="*i32", bias_ptr="*fp32", weights_ptr="*bf16", ids_ptr="*i64",
-            scaling="fp32"))
     import blockspec.layers.gated_gemv as gg
 
     assert "cubin" in compile_sm90(gg._gated_gemv_kernel, dict(BLOCK_N=2, BLOCK_K=1024), dict(

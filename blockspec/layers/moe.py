@@ -99,16 +99,11 @@ def route_tokens(x: torch.Tensor, gate_weight: torch.Tensor,
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """A MoE layer's picks for x [T, H] through its router (gate_weight [E, H], fp32 logits as
     HF computes them: bf16 logits would change the picks) under the config `moe`
-    (deepseek_config.MoEConfig): (weights [T, top_k] in x's dtype, ids [T, top_k] int64). With
-    backend "triton" a decode token's noaux_tc routing is one launch (router_gemv.py)."""
-    if backend == "triton" and moe.scoring_func == "sigmoid" and x.shape[0] == 1:
-        from blockspec.layers.router_gemv import route_gemv  # needs triton
+    (deepseek_config.MoEConfig): (weights [T, top_k] in x's dtype, ids [T, top_k] int64).
 
-        picked = route_gemv(x, gate_weight, correction_bias, moe.num_experts_per_tok,
-                            moe.n_group, moe.topk_group, moe.norm_topk_prob,
-                            moe.routed_scaling_factor, x.dtype)
-        if picked is not None:
-            return picked
+    NOTE: the router GEMV and the routing stay two launches: one kernel whose last program
+    routed the row measured 3% slower on Moonlight's batch-1 step (H100, 2.78 against 2.70 ms;
+    docs/benchmarks.md, "MoE targets")."""
     logits = router_logits(x, gate_weight, backend)
     if moe.scoring_func == "softmax":
         weights, ids = select_experts_softmax(

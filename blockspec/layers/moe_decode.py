@@ -65,14 +65,15 @@ class GemvTiles(NamedTuple):
     split: bool = False
 
 
-# NOTE: per weight format, the fastest tiles on an H200 at one token (Moonlight's bf16 experts,
-# `benchmarks/kernel_tune.py`: within 3% of the best; fp8 takes them, untimed) and Kimi K2.6's
-# int4 ones unpacked by masking (`benchmarks/decode_tune.py`): wide tiles, 1024-2048 columns an
-# iteration, keep more packed words in flight; 0.140 ms a layer against 0.188 for "magic" at its
-# best tiles, also faster at 2 and 4 tokens (docs/benchmarks.md, "MoE targets").
+# NOTE: per weight format, the fastest tiles at one token: Moonlight's bf16 experts on an H200
+# (`benchmarks/kernel_tune.py`: within 3% of the best; fp8 takes them, untimed) and Kimi K2.6's
+# int4 ones unpacked as subnormals with a scale a group (`benchmarks/decode_tune.py`, so far on
+# an H100 only: 0.093-0.096 ms a layer against 0.099-0.103 for a scale a word at its H200-best
+# 8 x 1024 on 2 warps; docs/benchmarks.md, "MoE targets"). Wide tiles, 1024 columns an
+# iteration, keep more packed words in flight.
 _DENSE_TILES = {"gate_up": GemvTiles(4, 256, 4), "down": GemvTiles(4, 512, 8)}
 DEFAULT_TILES = {DENSE: _DENSE_TILES, FP8: _DENSE_TILES,
-                 INT4: {"gate_up": GemvTiles(8, 1024, 2), "down": GemvTiles(8, 1024, 2)}}
+                 INT4: {"gate_up": GemvTiles(16, 1024, 2), "down": GemvTiles(8, 1024, 4)}}
 
 
 @triton.jit
