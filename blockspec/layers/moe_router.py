@@ -48,14 +48,16 @@ def _keep_groups(biased, E_PAD: tl.constexpr, N_GROUP: tl.constexpr,
 
 
 @triton.jit
-def _route_row(x, bias_ptr, weights_ptr, ids_ptr, scaling, E: tl.constexpr,
-               E_PAD: tl.constexpr, TOP_K: tl.constexpr, K_PAD: tl.constexpr,
-               N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
-               NORM: tl.constexpr):
-    """One token's picks from its logits x [E_PAD] (fp32, padding anything): TOP_K weights
-    and expert ids stored at weights_ptr / ids_ptr."""
+def _route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, stride_l, scaling,
+                  E: tl.constexpr, E_PAD: tl.constexpr, TOP_K: tl.constexpr,
+                  K_PAD: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
+                  USE_PDL: tl.constexpr = False):
+    pdl_sync(USE_PDL)
+    t = tl.program_id(0).to(tl.int64)
     e = tl.arange(0, E_PAD)
     ok = e < E
+    x = tl.load(logits_ptr + t * stride_l + e, mask=ok, other=0.0).to(tl.float32)
     score = 1.0 / (1.0 + tl.exp(-x))
     biased = score
     if HAS_BIAS:
@@ -73,22 +75,9 @@ def _route_row(x, bias_ptr, weights_ptr, ids_ptr, scaling, E: tl.constexpr,
         biased = tl.where(e == j, float("-inf"), biased)
     if NORM:
         w = w / (tl.sum(w, 0) + 1e-20)
-    tl.store(weights_ptr + k, _cast(w * scaling, weights_ptr.dtype.element_ty), mask=k < TOP_K)
-    tl.store(ids_ptr + k, ids, mask=k < TOP_K)
-
-
-@triton.jit
-def _route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, stride_l, scaling,
-                  E: tl.constexpr, E_PAD: tl.constexpr, TOP_K: tl.constexpr,
-                  K_PAD: tl.constexpr, N_GROUP: tl.constexpr, TOPK_GROUP: tl.constexpr,
-                  HAS_BIAS: tl.constexpr, NORM: tl.constexpr,
-                  USE_PDL: tl.constexpr = False):
-    pdl_sync(USE_PDL)
-    t = tl.program_id(0).to(tl.int64)
-    e = tl.arange(0, E_PAD)
-    x = tl.load(logits_ptr + t * stride_l + e, mask=e < E, other=0.0).to(tl.float32)
-    _route_row(x, bias_ptr, weights_ptr + t * TOP_K, ids_ptr + t * TOP_K, scaling, E, E_PAD,
-               TOP_K, K_PAD, N_GROUP, TOPK_GROUP, HAS_BIAS, NORM)
+    tl.store(weights_ptr + t * TOP_K + k, _cast(w * scaling, weights_ptr.dtype.element_ty),
+             mask=k < TOP_K)
+    tl.store(ids_ptr + t * TOP_K + k, ids, mask=k < TOP_K)
 
 
 def route(router_logits: torch.Tensor, correction_bias: torch.Tensor | None, top_k: int,
