@@ -101,7 +101,7 @@ def _digits_kernel(x_ptr, b_ptr, f_ptr, c_ptr, stride_x, K):
     base = (row * nchunks + c) * 2048
     k = tl.arange(0, 128)
     g = tl.arange(0, 4)
-    for dd in tl.static_range(DIGITS):
+    for dd in tl.static_range(4):  # DIGITS
         dig = r.to(tl.int32)  # toward zero: |digit| <= 127, the rest in (-1, 1)
         r = (r - dig.to(tl.float32)) * 128.0
         # column 4 g' + dd: this digit where g' is the value's group, else 0
