@@ -11,13 +11,15 @@ shared, 1 dense layer) + a 4-layer DFlash drafter (block 16; the adaptive policy
      DFlash engine with the LABELLED synthetic acceptance a (each draft position accepted with
      probability a; the text is not the target's: a system-timing mode only); at C=1 also fixed
      blocks 8 and 16, each against what the bytes model predicts from its measured experts per
-     verify forward and tau;
+     verify forward and tau, then adaptive once more (what the sweep's first cell pays for
+     coming first);
   4. HF transformers `generate` at C=1 on the same weights (outside reference).
 Kimi-K2.6-width slice (hidden 7168, 64 heads, MLA 1536/512/128+64/128, 384 experts of 2048,
 top 8, one shared; one dense + --kimi-moe-layers MoE layers):
   5. per-layer forward costs at batch 1..256 for 1 (AR), 8 and 16 (verify) tokens per sequence;
   6. with Kimi K2.6's INT4 experts (--kimi-int4-moe-layers MoE layers): AR batch-1 step against
-     its bytes floor, the W4A16 experts' kernel at 1..64 tokens against bf16's (issue 23).
+     its bytes floor, the W4A16 experts' kernel at 1..64 tokens against bf16's (issue 23; bf16
+     where its 42 GiB of experts fit beside the slice).
 
 Usage: python benchmarks/moe_bench.py --out-dir DIR [--concurrency 1,8,32,64,128,256]
 """
@@ -143,6 +145,13 @@ def moonlight_dflash(res: dict, target: Path, drafter: Path, bw: float, a: float
               f"{r['tau']:.2f}, {e:.1f} experts/layer, ratio {r['ratio_vs_ar']} vs bytes model "
               f"{predicted:.2f}", flush=True)
     sp.engine.runner.set_policy("adaptive")
+    # NOTE: adaptive at C=1 once more, after the fixed blocks: against the first C=1 run, what
+    # the run order (first requests of their shapes, warm-up) costs the sweep's first cell
+    r = res["dflash_c1_adaptive_again"] = closed_loop(sp, 1, 1001)
+    r["ratio_vs_ar"] = r["output_tok_s"] / ar_c1 if ar_c1 else None
+    print(f"Moonlight DFlash a={a} C=1 again (after the fixed blocks): "
+          f"{r['output_tok_s']:.0f} tok/s, tau {r['tau']}, blocks {r['block_len_steps']}",
+          flush=True)
 
 
 def moonlight_equality(res: dict, target: Path, drafter: Path) -> None:
