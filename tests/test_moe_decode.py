@@ -102,7 +102,7 @@ def test_int4_masked_unpacking_matches_the_dequantized_reference(dtype):
     fp32 the reference over dequantized weights up to summation order; in bf16 within the
     rounding of the dequantized weights that the other unpackings apply."""
     g = torch.Generator().manual_seed(11)
-    e, h, i = 8, 128, 64
+    e, h, i = 8, 64, 32
     gate_up = int4((e, 2 * i), h, 32, g, dtype)
     down = int4((e, h), i, 32, g, dtype)
     x = torch.randn(2, h, generator=g).to(dtype)
@@ -152,10 +152,10 @@ def test_split_down_equals_the_looping_kernel_bit_for_bit(case):
         g = torch.Generator().manual_seed(2)
         kw["shared"] = (torch.randn(112, x.shape[1], generator=g) / 9,
                         torch.randn(x.shape[1], 56, generator=g) / 8)
-    elif case == "int4":
+    elif case == "int4":  # one token (four picks): the interpreter runs int4 slowly
         g = torch.Generator().manual_seed(4)
         gate_up, down = int4((8, 128), 96, 32, g), int4((8, 96), 64, 32, g)
-        x = x[:, :1].repeat(1, 96)
+        x, w, ids = x[:1, :1].repeat(1, 96), w[:1], ids[:1]
     loop = decode_experts(x, w, ids, gate_up, down, tiles=SMALL, **kw)
     split = decode_experts(x, w, ids, gate_up, down, tiles=SPLIT, **kw)
     assert torch.equal(split, loop)
@@ -163,14 +163,15 @@ def test_split_down_equals_the_looping_kernel_bit_for_bit(case):
 
 
 @pytest.mark.parametrize("t,k,group,tiles", [
-    *[(t, k, 8, tiles) for t, k in ((1, 8), (3, 2)) for tiles in (None, SMALL, SPLIT)],
+    *[(t, k, 8, tiles) for t, k in ((1, 8), (3, 2)) for tiles in (None, SMALL)],
     (1, 8, 32, None), (2, 4, 16, SMALL)])
 def test_int4_subnormal_unpacking_matches_the_dequantized_reference(t, k, group, tiles):
     """"subnormal" (int4_bits.SUBNORMAL: each nibble an fp32 subnormal against inputs scaled by
     a power of two, the bias off once per word): the fp32 reference over dequantized weights up
     to fp32 rounding, with K (104, or 96) and I (40, 48 or 96) padded to whole tiles in SMALL.
     Groups of 16 or 32 columns: the words' sums scaled once a group where whole groups fill a
-    tile (the default tiles, SMALL's gate_up), else once a word (SMALL's down)."""
+    tile (the default tiles, SMALL's gate_up), else once a word (SMALL's down). (The split down
+    kernel over subnormal inputs: test_split_down_equals_the_looping_kernel_bit_for_bit.)"""
     g = torch.Generator().manual_seed(17 + t)
     e, h = 8, (104 if group == 8 else 96) if tiles else 128
     i = {8: 40, 16: 48, 32: 96}[group] if tiles else 64
@@ -183,9 +184,6 @@ def test_int4_subnormal_unpacking_matches_the_dequantized_reference(t, k, group,
                          residual=res)
     ref = experts_ref(x, weights, ids, *[dequantize(w) for w in (gate_up, down)]) + res
     torch.testing.assert_close(out, ref, **TOL)
-    mask = decode_experts(x, weights, ids, gate_up, down, tiles=tiles, dequant="mask",
-                          residual=res)
-    torch.testing.assert_close(out, mask, **TOL)
 
 
 def test_subnormal_inputs_hold_scaled_columns_and_word_sums():

@@ -83,11 +83,14 @@ def test_quantized_modules_are_the_checkpoints(quant_path):
 def test_logits_match_hf_dequantized(quant_path, hf, backend):
     model = load_model(quant_path, ModelConfig.from_pretrained(quant_path), torch.float32, "cpu")
     set_backend(model, backend)
-    ids = prompt(45, seed=len(backend))
+    # NOTE: fewer tokens through the interpreted kernels (their int4 experts run slowly there);
+    # both lengths take the decode-step experts (up to 128 slots of top 2)
+    n, cut = (45, 30) if backend == "torch" else (20, 12)
+    ids = prompt(n, seed=len(backend))
     ref = hf(torch.tensor([ids])).logits[0]
     cache = PagedCache(model)
-    (first,), _ = cache.forward([([3, 1, 6], 0, ids[:30])])
-    (rest,), _ = cache.forward([([3, 1, 6], 30, ids[30:])])
+    (first,), _ = cache.forward([([3, 1, 6], 0, ids[:cut])])
+    (rest,), _ = cache.forward([([3, 1, 6], cut, ids[cut:])])
     torch.testing.assert_close(torch.cat([first, rest]), ref, **TOL)
 
 
@@ -107,7 +110,7 @@ def test_dummy_weights_fill_the_quantized_tensors(quant_path):
     on both paths alike."""
     model = load_model(quant_path, ModelConfig.from_pretrained(quant_path), torch.float32, "cpu",
                        load_format="dummy")
-    ids = prompt(12)
+    ids = prompt(6)
     outs = []
     for backend in ("torch", "triton"):
         set_backend(model, backend)
