@@ -92,13 +92,13 @@ def _count_distinct(ids_ptr, stats_ptr, num_slots, S_PAD: tl.constexpr):
 def _gate_up_rows(w_base, s_base, x_row, rows, ok, n, K, k_words, stride_wn, stride_sn,
                   FORMAT: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
                   MAGIC: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr):
+                  BLOCK_K: tl.constexpr, EVEN: tl.constexpr = False):
     """(gate, up) of `rows` (< n) of a [2n, K] gate_up weight, each rounded to ACT."""
     ok = ok & (rows < n)
     gate = _dot_rows(w_base, s_base, x_row, rows, ok, K, k_words, stride_wn, stride_sn, FORMAT,
-                     GROUP_N, GROUP_K, MAGIC, ACT, BLOCK_N, BLOCK_K)
+                     GROUP_N, GROUP_K, MAGIC, ACT, BLOCK_N, BLOCK_K, EVEN)
     up = _dot_rows(w_base, s_base, x_row, rows + n, ok, K, k_words, stride_wn, stride_sn,
-                   FORMAT, GROUP_N, GROUP_K, MAGIC, ACT, BLOCK_N, BLOCK_K)
+                   FORMAT, GROUP_N, GROUP_K, MAGIC, ACT, BLOCK_N, BLOCK_K, EVEN)
     return _rnd(gate, ACT), _rnd(up, ACT)
 
 
@@ -107,13 +107,13 @@ def _routed_gate_up(x_ptr, ids_ptr, w_ptr, s_ptr, slot, rows, ok, inter, K, k_wo
                     stride_we, stride_wn, stride_se, stride_sn, TOP_K: tl.constexpr,
                     FORMAT: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
                     MAGIC: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr):
+                    BLOCK_K: tl.constexpr, EVEN: tl.constexpr = False):
     """(gate, up) of routed slot `slot`: its token's row through its expert's rows."""
     expert = tl.load(ids_ptr + slot).to(tl.int64)
     x_row = x_ptr + (slot // TOP_K).to(tl.int64) * stride_xm
     return _gate_up_rows(w_ptr + expert * stride_we, s_ptr + expert * stride_se, x_row, rows, ok,
                          inter, K, k_words, stride_wn, stride_sn, FORMAT, GROUP_N, GROUP_K,
-                         MAGIC, ACT, BLOCK_N, BLOCK_K)
+                         MAGIC, ACT, BLOCK_N, BLOCK_K, EVEN)
 
 
 @triton.jit
@@ -124,7 +124,7 @@ def _gate_up_act_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, act_ptr, stats_ptr
                         FORMAT: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
                         MAGIC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         HAS_SHARED: tl.constexpr = False, ACT_T: tl.constexpr = False,
-                        USE_PDL: tl.constexpr = False):
+                        EVEN: tl.constexpr = False, USE_PDL: tl.constexpr = False):
     pdl_sync(USE_PDL)
     slot = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -143,12 +143,12 @@ def _gate_up_act_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, act_ptr, stats_ptr
             gate, up = _routed_gate_up(x_ptr, ids_ptr, w_ptr, s_ptr, slot, rows, ok, inter, K,
                                        k_words, stride_xm, stride_we, stride_wn, stride_se,
                                        stride_sn, TOP_K, FORMAT, GROUP_N, GROUP_K, MAGIC,
-                                       act_dtype, BLOCK_N, BLOCK_K)
+                                       act_dtype, BLOCK_N, BLOCK_K, EVEN)
     else:
         gate, up = _routed_gate_up(x_ptr, ids_ptr, w_ptr, s_ptr, slot, rows, ok, inter, K,
                                    k_words, stride_xm, stride_we, stride_wn, stride_se,
                                    stride_sn, TOP_K, FORMAT, GROUP_N, GROUP_K, MAGIC, act_dtype,
-                                   BLOCK_N, BLOCK_K)
+                                   BLOCK_N, BLOCK_K, EVEN)
     # rounded after silu and after the product, like `F.silu(gate) * up` (fused.silu_and_mul)
     act = _rnd(gate / (1.0 + tl.exp(-gate)), act_dtype)
     act = _rnd(act * up, act_dtype)
@@ -270,11 +270,18 @@ def decode_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
         HAS_SHARED=shared is not None, ACT_T=sub_dn, COUNT=stats is not None,
         S_PAD=max(2, triton.next_power_of_2(t * top_k)), FORMAT=gu.fmt, GROUP_N=gu.group[0],
         GROUP_K=gu.group[1], MAGIC=magic_gu, BLOCK_N=tg.block_n, BLOCK_K=_block_k(tg, gu),
-        num_warps=tg.num_warps, enable_fp_fusion=True, **pdl_args(x.device))
+        EVEN=sub_gu and _even(gu, inter, tg), num_warps=tg.num_warps, enable_fp_fusion=True,
+        **pdl_args(x.device))
     res = residual if residual is not None else out
     _down(act, flat_ids, weights.reshape(-1).contiguous(), dn, s_dn, res, out, parts,
           residual is not None, td, magic_dn)
     return out
+
+
+def _even(w: _Weight, rows: int, tiles: GemvTiles) -> bool:
+    """Whether every program's rows are valid and K is whole tiles: the subnormal loop's loads
+    go unmasked (int4 only; rows: the output rows the tiles cover)."""
+    return rows % tiles.block_n == 0 and w.k % _block_k(tiles, w) == 0
 
 
 def _act_buffer(slots: int, inter: int, x: torch.Tensor, subnormal: bool, tg: GemvTiles,
@@ -304,8 +311,8 @@ def _down(act: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, dn: _Weig
     locks = arrival_locks(out.device, t * blocks) if tiles.split else None
     meta = dict(TOP_K=top_k, HAS_SHARED=parts > 0, HAS_RES=has_res, FORMAT=dn.fmt,
                 GROUP_N=dn.group[0], GROUP_K=dn.group[1], MAGIC=magic, BLOCK_N=tiles.block_n,
-                BLOCK_K=_block_k(tiles, dn), num_warps=tiles.num_warps, enable_fp_fusion=True,
-                **pdl_args(out.device))
+                BLOCK_K=_block_k(tiles, dn), EVEN=magic == SUBNORMAL and _even(dn, hidden, tiles),
+                num_warps=tiles.num_warps, enable_fp_fusion=True, **pdl_args(out.device))
     strides = (*_strides(dn), s_dn.stride(0), res.stride(0), out.stride(0))
     if locks is None:
         _down_sum_kernel[(t, blocks)](act, ids, weights, dn.data, dn.scale, s_dn, res, out,

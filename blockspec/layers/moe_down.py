@@ -31,13 +31,13 @@ def _routed_part(act_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, tok, u, rows, ok, inte
                  stride_act, stride_we, stride_wn, stride_se, stride_sn, dtype: tl.constexpr,
                  TOP_K: tl.constexpr, FORMAT: tl.constexpr, GROUP_N: tl.constexpr,
                  GROUP_K: tl.constexpr, MAGIC: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr):
+                 BLOCK_K: tl.constexpr, EVEN: tl.constexpr = False):
     """Pick u of token tok over rows, times its weight, rounded once (fp32)."""
     slot = tok * TOP_K + u
     expert = tl.load(ids_ptr + slot).to(tl.int64)
     acc = _dot_rows(w_ptr + expert * stride_we, s_ptr + expert * stride_se,
                     act_ptr + slot * stride_act, rows, ok, inter, k_words, stride_wn, stride_sn,
-                    FORMAT, GROUP_N, GROUP_K, MAGIC, dtype, BLOCK_N, BLOCK_K)
+                    FORMAT, GROUP_N, GROUP_K, MAGIC, dtype, BLOCK_N, BLOCK_K, EVEN)
     return _rnd(acc * tl.load(wts_ptr + slot).to(tl.float32), dtype)
 
 
@@ -73,7 +73,8 @@ def _down_split_kernel(act_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, sd_ptr, res_ptr,
                        stride_rm, stride_om, TOP_K: tl.constexpr, HAS_RES: tl.constexpr,
                        FORMAT: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
                        MAGIC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       HAS_SHARED: tl.constexpr = False, USE_PDL: tl.constexpr = False):
+                       HAS_SHARED: tl.constexpr = False, EVEN: tl.constexpr = False,
+                       USE_PDL: tl.constexpr = False):
     pdl_sync(USE_PDL)
     unit = tl.program_id(0).to(tl.int64)  # token * units + u: a token's units side by side
     tok, u = unit // units, unit % units
@@ -87,7 +88,7 @@ def _down_split_kernel(act_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, sd_ptr, res_ptr,
     else:
         val = _routed_part(act_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, tok, u, rows, ok, inter,
                            k_words, stride_act, stride_we, stride_wn, stride_se, stride_sn, dtype,
-                           TOP_K, FORMAT, GROUP_N, GROUP_K, MAGIC, BLOCK_N, BLOCK_K)
+                           TOP_K, FORMAT, GROUP_N, GROUP_K, MAGIC, BLOCK_N, BLOCK_K, EVEN)
     tl.store(part_ptr + unit * n + rows, val, mask=ok)
     lock = lock_ptr + tok * tl.num_programs(1) + tl.program_id(1)
     if _last_to_arrive(lock, units):  # reads past L1 (.cg), then resets the counter
@@ -112,7 +113,8 @@ def _down_sum_kernel(act_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, sd_ptr, res_ptr, o
                      TOP_K: tl.constexpr, HAS_RES: tl.constexpr, FORMAT: tl.constexpr,
                      GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, MAGIC: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     HAS_SHARED: tl.constexpr = False, USE_PDL: tl.constexpr = False):
+                     HAS_SHARED: tl.constexpr = False, EVEN: tl.constexpr = False,
+                     USE_PDL: tl.constexpr = False):
     pdl_sync(USE_PDL)
     tok = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -123,7 +125,8 @@ def _down_sum_kernel(act_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, sd_ptr, res_ptr, o
         # NOTE: each weighted pick rounds once, the sum over picks once (run_experts' order).
         total += _routed_part(act_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, tok, p, rows, ok, inter,
                               k_words, stride_act, stride_we, stride_wn, stride_se, stride_sn,
-                              dtype, TOP_K, FORMAT, GROUP_N, GROUP_K, MAGIC, BLOCK_N, BLOCK_K)
+                              dtype, TOP_K, FORMAT, GROUP_N, GROUP_K, MAGIC, BLOCK_N, BLOCK_K,
+                              EVEN)
     shared = tl.zeros([BLOCK_N], dtype=tl.float32)
     if HAS_SHARED:  # the shared experts' down projection over their parts' columns
         for j in range(parts):
