@@ -75,20 +75,13 @@ def _int4_dot_masked(words, s, v, W: tl.constexpr):
     return part * s.to(tl.float32)
 
 
-# "subnormal" unpacking: a nibble masked in place (bits S..S+3, S <= 19: fp32's mantissa) under
-# a zero exponent reads as the fp32 subnormal nibble * 2^(S - 149), exactly; against
-# v * 2^(SUB_BIAS - S) the product is nibble * v * 2^(SUB_BIAS - 149) = nibble * v * 2^-64. One
-# AND and one FMA a value: nibbles 0..4 where they sit (S = 4j), nibbles 5..7 after one shift of
-# the word by 16 (S = 4 (j - 4)); sub_shift(j).
+# "subnormal" unpacking: a nibble masked in place (bits S..S+3, S <= 12) under a zero exponent
+# reads as the fp32 subnormal nibble * 2^(S - 149), exactly; against v * 2^(SUB_BIAS - S) the
+# product is nibble * v * 2^(SUB_BIAS - 149) = nibble * v * 2^-64. One AND and one FMA a value.
 SUBNORMAL = 1
 SUB_BIAS = 85
 SUB_UNIT = 2.0**64  # what a word's sum of such products is scaled by
 SUB_ROWS = 9  # subnormal inputs per token: 8 scaled columns and the words' 8 * sum(v)
-
-
-def sub_shift(j: int) -> int:
-    """The bit S at which the subnormal unpacking masks nibble j of a word."""
-    return 4 * j if j <= 4 else 4 * (j - 4)
 
 
 @triton.jit
@@ -100,11 +93,10 @@ def _pow2(e):
 @triton.jit
 def _subnormal_columns(v, W: tl.constexpr):
     """v [W, 8] (value j of word w at [w, j], fp32) -> (its columns scaled for the subnormal
-    unpacking [W, 8]: value j times 2^(SUB_BIAS - sub_shift(j)); each word's 8 * sum [W])."""
+    unpacking [W, 8]: value j times 2^(SUB_BIAS - 4 (j % 4)); each word's 8 * sum [W])."""
     j = tl.arange(0, 8)
-    shift = tl.where(j <= 4, 4 * j, 4 * (j - 4))  # sub_shift
     # NOTE: the literal is SUB_BIAS (a jit function reads no module global that is not constexpr)
-    return v * _pow2(85 - shift)[None, :], 8.0 * tl.sum(v, 1)
+    return v * _pow2(85 - 4 * (j % 4))[None, :], 8.0 * tl.sum(v, 1)
 
 
 @triton.jit
@@ -122,14 +114,10 @@ def _int4_dot_subnormal(words, t_ptr, kw, t_stride):
     NOTE: the nibbles' products sum to (sum nibble * v) * 2^-64, exact but for fp32 rounding;
     the bias 8 * sum(v) comes off once per word. v must stay below 2^43 in magnitude (v scaled by
     up to 2^85 is fp32); products below 2^-126 (|v| < 2^-62) lose bits as subnormals."""
-    # NOTE: nibbles 0..4 masked where they sit, 5..7 in bits 4..15 after one shift (the sign
-    # bits it brings in are masked away): 9 int ops a word; a nibble masked at bit 0 of the
-    # shifted word compiles to a second shift and a bitfield extract
-    hi = words >> 16
+    hi = words >> 16  # nibbles 4..7 in the low half; the sign bits above are masked away
     part = tl.zeros(words.shape, dtype=tl.float32)
-    for j in tl.static_range(5):
+    for j in tl.static_range(4):
         part = _sub_term(words, 4 * j, tl.load(t_ptr + j * t_stride + kw), part)
-    for j in tl.static_range(1, 4):
         part = _sub_term(hi, 4 * j, tl.load(t_ptr + (j + 4) * t_stride + kw), part)
     bias = tl.load(t_ptr + 8 * t_stride + kw)
     return tl.fma(part, 18446744073709551616.0, -bias)  # SUB_UNIT
@@ -164,7 +152,7 @@ def subnormal_words(k: int, block_k: int) -> int:
 
 def subnormal_inputs(x: torch.Tensor, block_k: int) -> torch.Tensor:
     """x [T, K] (K % 8 == 0) -> [T, SUB_ROWS, subnormal_words(K, block_k)] fp32: for each word
-    of 8 values, value j times 2^(SUB_BIAS - sub_shift(j)) in row j and 8 * their sum in row 8;
+    of 8 values, value j times 2^(SUB_BIAS - 4 (j % 4)) in row j and 8 * their sum in row 8;
     zeros in the padding. What _int4_dot_subnormal reads."""
     t, k = x.shape
     words = subnormal_words(k, block_k)
