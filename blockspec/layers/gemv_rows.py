@@ -78,12 +78,9 @@ def _int4_rows_subnormal(w_rows, s_base, s_offs, v_ptr, row_ok, K, k_words,
         if GROUPED:
             part = tl.sum(tl.reshape(part, [BLOCK_N, W // G, G]), 2)  # in each thread
             g = k0 // GROUP_K + tl.arange(0, W // G)
-            if EVEN:
-                s = tl.load(s_base + s_offs[:, None] + g[None, :])
-            else:
-                s = tl.load(s_base + s_offs[:, None] + g[None, :],
-                            mask=row_ok[:, None] & (g < tl.cdiv(k_words, G))[None, :],
-                            other=0.0)
+            s_ptrs = s_base + s_offs[:, None] + g[None, :]
+            s = tl.load(s_ptrs) if EVEN else tl.load(
+                s_ptrs, mask=row_ok[:, None] & (g < tl.cdiv(k_words, G))[None, :], other=0.0)
         else:
             s = tl.load(s_base + s_offs[:, None] + kw // (GROUP_K // 8), mask=ok, other=0.0)
         acc = tl.fma(part, s.to(tl.float32), acc)

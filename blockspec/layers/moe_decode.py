@@ -270,7 +270,7 @@ def decode_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
         HAS_SHARED=shared is not None, ACT_T=sub_dn, COUNT=stats is not None,
         S_PAD=max(2, triton.next_power_of_2(t * top_k)), FORMAT=gu.fmt, GROUP_N=gu.group[0],
         GROUP_K=gu.group[1], MAGIC=magic_gu, BLOCK_N=tg.block_n, BLOCK_K=_block_k(tg, gu),
-        EVEN=sub_gu and _even(gu, inter, tg), num_warps=tg.num_warps, enable_fp_fusion=True,
+        EVEN=_even(gu, magic_gu, inter, tg), num_warps=tg.num_warps, enable_fp_fusion=True,
         **pdl_args(x.device))
     res = residual if residual is not None else out
     _down(act, flat_ids, weights.reshape(-1).contiguous(), dn, s_dn, res, out, parts,
@@ -278,10 +278,10 @@ def decode_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     return out
 
 
-def _even(w: _Weight, rows: int, tiles: GemvTiles) -> bool:
-    """Whether every program's rows are valid and K is whole tiles: the subnormal loop's loads
-    go unmasked (int4 only; rows: the output rows the tiles cover)."""
-    return rows % tiles.block_n == 0 and w.k % _block_k(tiles, w) == 0
+def _even(w: _Weight, magic: int, rows: int, tiles: GemvTiles) -> bool:
+    """Whether the subnormal loop's loads go unmasked: int4 unpacked as subnormals, every
+    program's rows valid (rows: the output rows the tiles cover) and K whole tiles."""
+    return magic == SUBNORMAL and rows % tiles.block_n == 0 and w.k % _block_k(tiles, w) == 0
 
 
 def _act_buffer(slots: int, inter: int, x: torch.Tensor, subnormal: bool, tg: GemvTiles,
@@ -311,7 +311,7 @@ def _down(act: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, dn: _Weig
     locks = arrival_locks(out.device, t * blocks) if tiles.split else None
     meta = dict(TOP_K=top_k, HAS_SHARED=parts > 0, HAS_RES=has_res, FORMAT=dn.fmt,
                 GROUP_N=dn.group[0], GROUP_K=dn.group[1], MAGIC=magic, BLOCK_N=tiles.block_n,
-                BLOCK_K=_block_k(tiles, dn), EVEN=magic == SUBNORMAL and _even(dn, hidden, tiles),
+                BLOCK_K=_block_k(tiles, dn), EVEN=_even(dn, magic, hidden, tiles),
                 num_warps=tiles.num_warps, enable_fp_fusion=True, **pdl_args(out.device))
     strides = (*_strides(dn), s_dn.stride(0), res.stride(0), out.stride(0))
     if locks is None:
