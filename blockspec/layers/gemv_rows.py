@@ -92,18 +92,6 @@ def _int4_rows_subnormal(w_rows, s_base, s_offs, v_ptr, row_ok, K, k_words,
 
 
 @triton.jit
-def _row_bytes(w_base, K, k_words, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr):
-    """(bytes a weight row holds, bytes a BLOCK_K chunk of it holds): packed words for int4,
-    values as stored otherwise."""
-    if FORMAT == 1:
-        out = k_words * 4, BLOCK_K // 2
-    else:
-        eb: tl.constexpr = w_base.dtype.element_ty.primitive_bitwidth // 8
-        out = K * eb, BLOCK_K * eb
-    return out
-
-
-@triton.jit
 def _prefetch_rows_start(w_base, s_base, rows, row_ok, K, k_words, stride_wn, stride_sn,
                          FORMAT: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_BYTES: tl.constexpr,
                          PF: tl.constexpr):
@@ -112,8 +100,11 @@ def _prefetch_rows_start(w_base, s_base, rows, row_ok, K, k_words, stride_wn, st
     if PF > 0:
         ok = row_ok[:, None]
         w_rows = w_base + rows[:, None].to(tl.int64) * stride_wn
-        row_bytes, chunk_bytes = _row_bytes(w_base, K, k_words, FORMAT, BLOCK_K)
-        _prefetch_chunks(w_rows, ok, 0, PF, row_bytes, chunk_bytes, PF)
+        if FORMAT == 1:  # packed words
+            _prefetch_chunks(w_rows, ok, 0, PF, k_words * 4, BLOCK_K // 2, PF)
+        else:
+            eb: tl.constexpr = w_base.dtype.element_ty.primitive_bitwidth // 8
+            _prefetch_chunks(w_rows, ok, 0, PF, K * eb, BLOCK_K * eb, PF)
         if SCALE_BYTES > 0:
             s_rows = s_base + rows[:, None].to(tl.int64) * stride_sn
             _prefetch_chunks(s_rows, ok, 0, 1, SCALE_BYTES, SCALE_BYTES, PF)
@@ -156,10 +147,10 @@ def _dot_rows(w_base, s_base, v_ptr, rows, row_ok, K, k_words, stride_wn, stride
             out = tl.sum(tl.sum(acc, 2), 1)
     else:
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        row_bytes, chunk_bytes = _row_bytes(w_base, K, k_words, FORMAT, BLOCK_K)
+        eb: tl.constexpr = w_base.dtype.element_ty.primitive_bitwidth // 8
         for k0 in range(0, K, BLOCK_K):
-            _prefetch_chunks(w_rows, row_ok[:, None], k0 // BLOCK_K + PF, 1, row_bytes,
-                             chunk_bytes, PF)
+            _prefetch_chunks(w_rows, row_ok[:, None], k0 // BLOCK_K + PF, 1, K * eb,
+                             BLOCK_K * eb, PF)
             kk = k0 + tl.arange(0, BLOCK_K)
             ok = row_ok[:, None] & (kk < K)[None, :]
             w = tl.load(w_rows + kk[None, :], mask=ok, other=0.0).to(tl.float32)

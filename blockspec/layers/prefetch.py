@@ -36,21 +36,22 @@ def prefetch_distance(device: torch.device, chunks: int, row_bytes: int) -> int:
 
 
 @_jit
-def _prefetch_l2(addr, nbytes):
-    """Asks L2 for nbytes (int32, a multiple of 16; none where <= 0) at each address of addr
-    (int64, 16-byte aligned): one bulk prefetch per element."""
+def _prefetch_line(addr, ok):
+    """Asks L2 for the line holding each address of addr (int64) where ok."""
     tl.inline_asm_elementwise(
-        asm="{ .reg .pred p; setp.gt.s32 p, $2, 0; "
-            "@p cp.async.bulk.prefetch.L2.global [$1], $2; mov.b32 $0, 0; }",
-        constraints="=r,l,r", args=[addr, nbytes], dtype=tl.int32, is_pure=False, pack=1)
+        asm="{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.b32 $0, 0; }",
+        constraints="=r,l,r", args=[addr, ok.to(tl.int32)], dtype=tl.int32, is_pure=False,
+        pack=1)
 
 
 @_jit
-def _prefetch_chunks(row_ptrs, ok, first, count, row_bytes, chunk_bytes, PF: tl.constexpr):
-    """Prefetches chunks first..first+count-1 of chunk_bytes each (cut at row_bytes; both
-    multiples of 16) from the rows that start at row_ptrs (pointers of any type) where ok (both
-    of one shape); nothing where PF is 0."""
+def _prefetch_chunks(row_ptrs, ok, first, COUNT: tl.constexpr, row_bytes,
+                     CHUNK_BYTES: tl.constexpr, PF: tl.constexpr):
+    """Prefetches chunks first..first+COUNT-1 of CHUNK_BYTES each (cut at row_bytes) from the
+    rows that start at row_ptrs [R, 1] (pointers of any type) where ok [R, 1]: one 128-byte
+    line an element of [R, lines]; nothing where PF is 0."""
     if PF > 0:
-        start = first * chunk_bytes
-        nbytes = tl.minimum((first + count) * chunk_bytes, row_bytes) - start
-        _prefetch_l2(row_ptrs.to(tl.int64) + start, tl.where(ok, nbytes, 0))
+        LINES: tl.constexpr = (COUNT * CHUNK_BYTES + 127) // 128
+        offs = first * CHUNK_BYTES + tl.arange(0, LINES) * 128
+        _prefetch_line(row_ptrs.to(tl.int64) + offs[None, :].to(tl.int64),
+                       ok & (offs < row_bytes)[None, :])
