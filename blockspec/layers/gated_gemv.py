@@ -14,16 +14,14 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from blockspec.layers import linear
 from blockspec.layers.fused import _cast, _jit, _rnd, silu_and_mul, tl, triton
 from blockspec.layers.linear import Linear, _kernel_for, gemv, gemv_config
 from blockspec.layers.pdl import pdl_args, pdl_sync
-from blockspec.layers.prefetch import _prefetch_chunks, prefetch_distance
 
 
 @_jit
 def _gated_gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       USE_PDL: tl.constexpr = False, PF: tl.constexpr = 0):
+                       USE_PDL: tl.constexpr = False):
     # NOTE: K % BLOCK_K == 0 (gemv_config's BLOCK_K): no column mask inside the loop. The gate
     # and up tiles load in the same iteration (as many bytes in flight as the GEMV's two
     # programs), each summed as linear._gemv_kernel sums a [BLOCK_N, BLOCK_K] tile.
@@ -34,9 +32,6 @@ def _gated_gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K
     cols = tl.arange(0, BLOCK_K)
     wg = tl.load(g_base + cols[None, :], mask=rmask, other=0.0)  # weights: before the wait
     wu = tl.load(u_base + cols[None, :], mask=rmask, other=0.0)
-    eb: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
-    _prefetch_chunks(g_base, rmask, 1, PF, K * eb, BLOCK_K * eb, PF)  # as linear.gemv's
-    _prefetch_chunks(u_base, rmask, 1, PF, K * eb, BLOCK_K * eb, PF)
     pdl_sync(USE_PDL)
     x = tl.load(x_ptr + cols)[None, :].to(tl.float32)
     acc_g, acc_u = wg.to(tl.float32) * x, wu.to(tl.float32) * x
@@ -63,13 +58,9 @@ def gated_gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
                          f"w {tuple(w.shape)} (config {cfg})")
     bn, bk, warps, stages = cfg
     y = torch.empty(1, n, dtype=x.dtype, device=x.device)
-    es = w.element_size()
-    pf = 0 if w.data_ptr() % 16 or k * es % 16 or bk * es % 16 else linear.GEMV_PREFETCH
     _gated_gemv_kernel[(triton.cdiv(n, bn),)](x, w, y, n, k, BLOCK_N=bn, BLOCK_K=bk,
                                               num_warps=warps, num_stages=stages,
-                                              enable_fp_fusion=False,
-                                              PF=prefetch_distance(x.device, pf, k * es),
-                                              **pdl_args(x.device))
+                                              enable_fp_fusion=False, **pdl_args(x.device))
     return y
 
 

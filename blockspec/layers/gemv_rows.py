@@ -7,7 +7,6 @@ import triton
 import triton.language as tl
 
 from blockspec.layers.int4_bits import _int4_dot_masked, _int4_dot_subnormal, _nibble
-from blockspec.layers.prefetch import _prefetch_chunks
 
 
 @triton.jit
@@ -47,12 +46,10 @@ def _int4_chunk(w_rows, s_rows, v_ptr, row_ok, k0, k_words, GROUP_K: tl.constexp
 @triton.jit
 def _int4_rows_subnormal(w_rows, s_base, s_offs, v_ptr, row_ok, K, k_words,
                          GROUP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         EVEN: tl.constexpr = False, PF: tl.constexpr = 0):
+                         EVEN: tl.constexpr = False):
     """sum_k W[rows, k] v[k] [BLOCK_N] fp32 for int4 rows against subnormal inputs at v_ptr;
     the rows' scales start at s_base + s_offs [BLOCK_N]. EVEN: every row valid and K whole
-    tiles (loads unmasked). PF > 0: chunk i + PF of the words prefetched into L2 at iteration
-    i (chunks 0..PF-1 and the scales are the caller's, _prefetch_rows_start, issued before the
-    rows ahead of these run).
+    tiles (loads unmasked).
 
     The words' sums add up per scale group (G words; one where a group is not a power of two
     within the tile) in registers, and each group's scale loads once and multiplies once.
@@ -71,7 +68,6 @@ def _int4_rows_subnormal(w_rows, s_base, s_offs, v_ptr, row_ok, K, k_words,
     cols = tl.arange(0, W)[None, :] + tl.zeros([BLOCK_N, 1], dtype=tl.int32)
     acc = tl.zeros([BLOCK_N, W // G], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        _prefetch_chunks(w_rows, row_ok[:, None], k0 // BLOCK_K + PF, 1, k_words * 4, W * 4, PF)
         kw = k0 // 8 + cols
         ok = row_ok[:, None] & (kw < k_words)
         # NOTE: unmasked where EVEN: gate_up's loop compiled to 8% fewer sm_90 instructions
@@ -92,34 +88,13 @@ def _int4_rows_subnormal(w_rows, s_base, s_offs, v_ptr, row_ok, K, k_words,
 
 
 @triton.jit
-def _prefetch_rows_start(w_base, s_base, rows, row_ok, K, k_words, stride_wn, stride_sn,
-                         FORMAT: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_BYTES: tl.constexpr,
-                         PF: tl.constexpr):
-    """Prefetches into L2 what _dot_rows (PF) over these rows reads first: chunks 0..PF-1 of
-    the weights and SCALE_BYTES of each row's scales (0: none)."""
-    if PF > 0:
-        ok = row_ok[:, None]
-        w_rows = w_base + rows[:, None].to(tl.int64) * stride_wn
-        if FORMAT == 1:  # packed words
-            _prefetch_chunks(w_rows, ok, 0, PF, k_words * 4, BLOCK_K // 2, PF)
-        else:
-            eb: tl.constexpr = w_base.dtype.element_ty.primitive_bitwidth // 8
-            _prefetch_chunks(w_rows, ok, 0, PF, K * eb, BLOCK_K * eb, PF)
-        if SCALE_BYTES > 0:
-            s_rows = s_base + rows[:, None].to(tl.int64) * stride_sn
-            _prefetch_chunks(s_rows, ok, 0, 1, SCALE_BYTES, SCALE_BYTES, PF)
-
-
-@triton.jit
 def _dot_rows(w_base, s_base, v_ptr, rows, row_ok, K, k_words, stride_wn, stride_sn,
               FORMAT: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
               MAGIC: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_K: tl.constexpr, EVEN: tl.constexpr = False, PF: tl.constexpr = 0):
+              BLOCK_K: tl.constexpr, EVEN: tl.constexpr = False):
     """sum_k W[rows, k] v[k] in fp32 [BLOCK_N]: W as stored, int4 masked in place (MAGIC
     MASK32: exact products), or dequantized to exactly quant_gemm's tile values (rounded to ACT)
-    before the products. EVEN (int4 "subnormal" only): every row valid, K whole tiles; PF
-    (int4 "subnormal" and dense): chunk i + PF of the weights prefetched into L2 at iteration i
-    (chunks 0..PF-1 are the caller's: _prefetch_rows_start).
+    before the products. EVEN (int4 "subnormal" only): every row valid, K whole tiles.
 
     NOTE: "magic" int4 as a [rows, words, 8] tile against v's [words, 8] chunk, loaded 8 values
     at a time: 10% faster on an H200 than a [rows, words] tile against eight strided slices of
@@ -129,8 +104,7 @@ def _dot_rows(w_base, s_base, v_ptr, rows, row_ok, K, k_words, stride_wn, stride
         s_rows = s_base + rows[:, None].to(tl.int64) * stride_sn
         if MAGIC == 1:  # subnormal (int4_bits.SUBNORMAL): v_ptr holds subnormal_inputs' rows
             out = _int4_rows_subnormal(w_rows, s_base, rows.to(tl.int64) * stride_sn, v_ptr,
-                                       row_ok, K, k_words, GROUP_K, BLOCK_N, BLOCK_K, EVEN,
-                                       PF)
+                                       row_ok, K, k_words, GROUP_K, BLOCK_N, BLOCK_K, EVEN)
         elif MAGIC == 0x4B000000:  # masked in place (int4_bits.MASK32): a [rows, words] sum
             acc = tl.zeros([BLOCK_N, BLOCK_K // 8], dtype=tl.float32)
             for k0 in range(0, K, BLOCK_K):
@@ -147,10 +121,7 @@ def _dot_rows(w_base, s_base, v_ptr, rows, row_ok, K, k_words, stride_wn, stride
             out = tl.sum(tl.sum(acc, 2), 1)
     else:
         acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-        eb: tl.constexpr = w_base.dtype.element_ty.primitive_bitwidth // 8
         for k0 in range(0, K, BLOCK_K):
-            _prefetch_chunks(w_rows, row_ok[:, None], k0 // BLOCK_K + PF, 1, K * eb,
-                             BLOCK_K * eb, PF)
             kk = k0 + tl.arange(0, BLOCK_K)
             ok = row_ok[:, None] & (kk < K)[None, :]
             w = tl.load(w_rows + kk[None, :], mask=ok, other=0.0).to(tl.float32)

@@ -26,27 +26,20 @@ import torch.nn.functional as F
 
 from blockspec.layers.fused import _cast, _jit, tl, triton
 from blockspec.layers.pdl import pdl_args, pdl_sync
-from blockspec.layers.prefetch import _prefetch_chunks, prefetch_distance
 
 SKINNY_MAX_M = 16  # one sequence's speculative step (block 16)
 SKINNY_MIN_N = 16384
-# NOTE: chunks of BLOCK_K columns a GEMV program asks L2 for before its PDL wait, past the
-# first tile it loads (prefetch.py): 0 until measured
-GEMV_PREFETCH = 0
 
 
 @_jit
 def _rows_span_sum(base, x_ptr, rmask, k_lo, k_hi, BLOCK_K: tl.constexpr,
-                   USE_PDL: tl.constexpr, PF: tl.constexpr = 0):
+                   USE_PDL: tl.constexpr):
     """sum over k_lo <= k < k_hi of w[rows, k] x[k] (fp32 [BLOCK_N]) for the rows at base.
     NOTE: (k_hi - k_lo) % BLOCK_K == 0 (the caller picks BLOCK_K): no column mask in the loop;
     the first weight tile loads before the PDL wait (no kernel writes weights), so under PDL
-    its latency overlaps the previous kernel's end, and so do the PF tiles after it, asked of
-    L2; x waits."""
+    its latency overlaps the previous kernel's end; x waits."""
     cols = k_lo + tl.arange(0, BLOCK_K)
     w = tl.load(base + cols[None, :], mask=rmask[:, None], other=0.0)
-    eb: tl.constexpr = base.dtype.element_ty.primitive_bitwidth // 8
-    _prefetch_chunks(base + k_lo, rmask[:, None], 1, PF, (k_hi - k_lo) * eb, BLOCK_K * eb, PF)
     pdl_sync(USE_PDL)
     acc = w.to(tl.float32) * tl.load(x_ptr + cols)[None, :].to(tl.float32)
     for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
@@ -59,12 +52,12 @@ def _rows_span_sum(base, x_ptr, rmask, k_lo, k_hi, BLOCK_K: tl.constexpr,
 
 @_jit
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 USE_PDL: tl.constexpr = False, PF: tl.constexpr = 0):
+                 USE_PDL: tl.constexpr = False):
     # y[n] = sum_k w[n, k] x[k]: one program per BLOCK_N output features, streaming their rows.
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
     y = _rows_span_sum(w_ptr + rows[:, None].to(tl.int64) * K, x_ptr, rmask, 0, K, BLOCK_K,
-                       USE_PDL, PF)
+                       USE_PDL)
     tl.store(y_ptr + rows, _cast(y, y_ptr.dtype.element_ty), mask=rmask)
 
 
@@ -136,11 +129,10 @@ def skinny(x: torch.Tensor, w: torch.Tensor,
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, config: tuple[int, int, int, int] | None = None,
-         out_dtype: torch.dtype | None = None, prefetch: int | None = None) -> torch.Tensor:
+         out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [1, K] @ w [N, K]^T -> [1, N] in `out_dtype` (x's by default), products and sums in
-    fp32 whatever the inputs' dtypes (`config`, `prefetch`: benchmarks sweep them). NOTE: `w`
-    is a weight: under PDL its first tile (and `prefetch` tiles more, into L2; GEMV_PREFETCH
-    by default) is read before the wait for the previous kernel."""
+    fp32 whatever the inputs' dtypes (`config`: benchmarks sweep them). NOTE: `w` is a weight:
+    under PDL its first tile is read before the wait for the previous kernel."""
     m, k = x.shape
     n = w.shape[0]
     cfg = config or gemv_config(n, k)
@@ -150,12 +142,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, config: tuple[int, int, int, int] | N
                          f"(config {cfg})")
     bn, bk, warps, stages = cfg
     y = torch.empty(1, n, dtype=out_dtype or x.dtype, device=x.device)
-    pf = GEMV_PREFETCH if prefetch is None else prefetch
-    if w.data_ptr() % 16 or k * w.element_size() % 16 or bk * w.element_size() % 16:
-        pf = 0
     _gemv_kernel[(triton.cdiv(n, bn),)](x, w, y, n, k, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
                                         num_stages=stages, enable_fp_fusion=False,
-                                        PF=prefetch_distance(x.device, pf, k * w.element_size()),
                                         **pdl_args(x.device))
     return y
 

@@ -29,7 +29,7 @@ import triton.language as tl
 
 from blockspec.layers.arrival import arrival_locks
 from blockspec.layers.fused import _rnd
-from blockspec.layers.gemv_rows import _dot_rows, _prefetch_rows_start
+from blockspec.layers.gemv_rows import _dot_rows
 from blockspec.layers.int4_bits import (
     MAGIC16,
     MASK32,
@@ -41,7 +41,6 @@ from blockspec.layers.int4_bits import (
 )
 from blockspec.layers.moe_down import _down_split_kernel, _down_sum_kernel
 from blockspec.layers.pdl import pdl_args, pdl_sync
-from blockspec.layers.prefetch import prefetch_distance
 from blockspec.layers.quant_dequant import QuantWeight
 
 DENSE, INT4, FP8 = 0, 1, 2
@@ -58,14 +57,12 @@ MAX_DECODE_SLOTS = {DENSE: 8, FP8: 8, INT4: 128}
 
 class GemvTiles(NamedTuple):
     """(rows per program, input columns per iteration, warps) of one kernel; `split` (down
-    only): one program per pick (moe_down.py), not one looping over the picks; `prefetch`
-    (int4 "subnormal" on sm_90+): chunks of words requested into L2 ahead of their loads."""
+    only): one program per pick (moe_down.py), not one looping over the picks."""
 
     block_n: int
     block_k: int
     num_warps: int
     split: bool = False
-    prefetch: int = 0
 
 
 # NOTE: per weight format, the fastest tiles at one token: Moonlight's bf16 experts on an H200
@@ -95,19 +92,13 @@ def _count_distinct(ids_ptr, stats_ptr, num_slots, S_PAD: tl.constexpr):
 def _gate_up_rows(w_base, s_base, x_row, rows, ok, n, K, k_words, stride_wn, stride_sn,
                   FORMAT: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
                   MAGIC: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, EVEN: tl.constexpr = False, PF: tl.constexpr = 0,
-                  SCALE_BYTES: tl.constexpr = 0):
-    """(gate, up) of `rows` (< n) of a [2n, K] gate_up weight, each rounded to ACT; PF: both
-    row blocks' first chunks prefetched into L2 up front, later ones ahead (_dot_rows)."""
+                  BLOCK_K: tl.constexpr, EVEN: tl.constexpr = False):
+    """(gate, up) of `rows` (< n) of a [2n, K] gate_up weight, each rounded to ACT."""
     ok = ok & (rows < n)
-    _prefetch_rows_start(w_base, s_base, rows, ok, K, k_words, stride_wn, stride_sn, FORMAT,
-                         BLOCK_K, SCALE_BYTES, PF)
-    _prefetch_rows_start(w_base, s_base, rows + n, ok, K, k_words, stride_wn, stride_sn, FORMAT,
-                         BLOCK_K, SCALE_BYTES, PF)
     gate = _dot_rows(w_base, s_base, x_row, rows, ok, K, k_words, stride_wn, stride_sn, FORMAT,
-                     GROUP_N, GROUP_K, MAGIC, ACT, BLOCK_N, BLOCK_K, EVEN, PF)
+                     GROUP_N, GROUP_K, MAGIC, ACT, BLOCK_N, BLOCK_K, EVEN)
     up = _dot_rows(w_base, s_base, x_row, rows + n, ok, K, k_words, stride_wn, stride_sn,
-                   FORMAT, GROUP_N, GROUP_K, MAGIC, ACT, BLOCK_N, BLOCK_K, EVEN, PF)
+                   FORMAT, GROUP_N, GROUP_K, MAGIC, ACT, BLOCK_N, BLOCK_K, EVEN)
     return _rnd(gate, ACT), _rnd(up, ACT)
 
 
@@ -116,14 +107,13 @@ def _routed_gate_up(x_ptr, ids_ptr, w_ptr, s_ptr, slot, rows, ok, inter, K, k_wo
                     stride_we, stride_wn, stride_se, stride_sn, TOP_K: tl.constexpr,
                     FORMAT: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
                     MAGIC: tl.constexpr, ACT: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, EVEN: tl.constexpr = False, PF: tl.constexpr = 0,
-                    SCALE_BYTES: tl.constexpr = 0):
+                    BLOCK_K: tl.constexpr, EVEN: tl.constexpr = False):
     """(gate, up) of routed slot `slot`: its token's row through its expert's rows."""
     expert = tl.load(ids_ptr + slot).to(tl.int64)
     x_row = x_ptr + (slot // TOP_K).to(tl.int64) * stride_xm
     return _gate_up_rows(w_ptr + expert * stride_we, s_ptr + expert * stride_se, x_row, rows, ok,
                          inter, K, k_words, stride_wn, stride_sn, FORMAT, GROUP_N, GROUP_K,
-                         MAGIC, ACT, BLOCK_N, BLOCK_K, EVEN, PF, SCALE_BYTES)
+                         MAGIC, ACT, BLOCK_N, BLOCK_K, EVEN)
 
 
 @triton.jit
@@ -134,8 +124,7 @@ def _gate_up_act_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, act_ptr, stats_ptr
                         FORMAT: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
                         MAGIC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         HAS_SHARED: tl.constexpr = False, ACT_T: tl.constexpr = False,
-                        EVEN: tl.constexpr = False, PF: tl.constexpr = 0,
-                        SCALE_BYTES: tl.constexpr = 0, USE_PDL: tl.constexpr = False):
+                        EVEN: tl.constexpr = False, USE_PDL: tl.constexpr = False):
     pdl_sync(USE_PDL)
     slot = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -149,17 +138,17 @@ def _gate_up_act_kernel(x_ptr, ids_ptr, w_ptr, s_ptr, sw_ptr, act_ptr, stats_ptr
             x_row = x_ptr + (j // parts).to(tl.int64) * stride_xm
             gate, up = _gate_up_rows(sw_ptr, sw_ptr, x_row, (j % parts) * inter + rows, ok,
                                      shared_n, K, k_words, stride_swn, 0, FORMAT, GROUP_N,
-                                     GROUP_K, MAGIC, act_dtype, BLOCK_N, BLOCK_K, False, PF)
+                                     GROUP_K, MAGIC, act_dtype, BLOCK_N, BLOCK_K)
         else:
             gate, up = _routed_gate_up(x_ptr, ids_ptr, w_ptr, s_ptr, slot, rows, ok, inter, K,
                                        k_words, stride_xm, stride_we, stride_wn, stride_se,
                                        stride_sn, TOP_K, FORMAT, GROUP_N, GROUP_K, MAGIC,
-                                       act_dtype, BLOCK_N, BLOCK_K, EVEN, PF, SCALE_BYTES)
+                                       act_dtype, BLOCK_N, BLOCK_K, EVEN)
     else:
         gate, up = _routed_gate_up(x_ptr, ids_ptr, w_ptr, s_ptr, slot, rows, ok, inter, K,
                                    k_words, stride_xm, stride_we, stride_wn, stride_se,
                                    stride_sn, TOP_K, FORMAT, GROUP_N, GROUP_K, MAGIC, act_dtype,
-                                   BLOCK_N, BLOCK_K, EVEN, PF, SCALE_BYTES)
+                                   BLOCK_N, BLOCK_K, EVEN)
     # rounded after silu and after the product, like `F.silu(gate) * up` (fused.silu_and_mul)
     act = _rnd(gate / (1.0 + tl.exp(-gate)), act_dtype)
     act = _rnd(act * up, act_dtype)
@@ -282,36 +271,11 @@ def decode_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
         S_PAD=max(2, triton.next_power_of_2(t * top_k)), FORMAT=gu.fmt, GROUP_N=gu.group[0],
         GROUP_K=gu.group[1], MAGIC=magic_gu, BLOCK_N=tg.block_n, BLOCK_K=_block_k(tg, gu),
         EVEN=_even(gu, magic_gu, inter, tg), num_warps=tg.num_warps, enable_fp_fusion=True,
-        **_prefetch_args(gu, magic_gu, tg, s_gu if shared is not None else None),
         **pdl_args(x.device))
     res = residual if residual is not None else out
     _down(act, flat_ids, weights.reshape(-1).contiguous(), dn, s_dn, res, out, parts,
           residual is not None, td, magic_dn)
     return out
-
-
-def _aligned_rows(t: torch.Tensor, row_bytes: int) -> bool:
-    """Whether every row of t [..., K] starts 16-byte aligned and holds whole 16 bytes."""
-    es = t.element_size()
-    return (t.data_ptr() % 16 == 0 and row_bytes % 16 == 0 and t.stride(-1) == 1
-            and all(st * es % 16 == 0 for st in t.stride()[:-1]))
-
-
-def _prefetch_args(w: _Weight, magic: int, tiles: GemvTiles,
-                   shared: torch.Tensor | None = None) -> dict:
-    """PF (chunks prefetched ahead; 0: none) and SCALE_BYTES (a row's scales, prefetched with
-    its first chunks where 16-byte aligned; else 0): for dense weights and int4 unpacked as
-    subnormals (and `shared`, the folded shared weights, where given), with rows aligned."""
-    row_bytes = w.k // 2 if w.fmt == INT4 else w.k * w.data.element_size()
-    aligned = _aligned_rows(w.data, row_bytes) and (
-        shared is None or _aligned_rows(shared, shared.shape[-1] * shared.element_size()))
-    if not aligned or not (w.fmt == DENSE or magic == SUBNORMAL):
-        return {"PF": 0, "SCALE_BYTES": 0}
-    pf = prefetch_distance(w.data.device, tiles.prefetch, row_bytes)
-    if w.fmt == DENSE:
-        return {"PF": pf, "SCALE_BYTES": 0}
-    scale_bytes = w.scale.shape[-1] * w.scale.element_size()
-    return {"PF": pf, "SCALE_BYTES": scale_bytes if _aligned_rows(w.scale, scale_bytes) else 0}
 
 
 def _even(w: _Weight, magic: int, rows: int, tiles: GemvTiles) -> bool:
@@ -348,8 +312,7 @@ def _down(act: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, dn: _Weig
     meta = dict(TOP_K=top_k, HAS_SHARED=parts > 0, HAS_RES=has_res, FORMAT=dn.fmt,
                 GROUP_N=dn.group[0], GROUP_K=dn.group[1], MAGIC=magic, BLOCK_N=tiles.block_n,
                 BLOCK_K=_block_k(tiles, dn), EVEN=_even(dn, magic, hidden, tiles),
-                num_warps=tiles.num_warps, enable_fp_fusion=True,
-                **_prefetch_args(dn, magic, tiles), **pdl_args(out.device))
+                num_warps=tiles.num_warps, enable_fp_fusion=True, **pdl_args(out.device))
     strides = (*_strides(dn), s_dn.stride(0), res.stride(0), out.stride(0))
     if locks is None:
         _down_sum_kernel[(t, blocks)](act, ids, weights, dn.data, dn.scale, s_dn, res, out,

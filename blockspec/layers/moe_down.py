@@ -22,7 +22,7 @@ import triton.language as tl
 
 from blockspec.layers.arrival import _last_to_arrive
 from blockspec.layers.fused import _cast, _rnd
-from blockspec.layers.gemv_rows import _dot_rows, _prefetch_rows_start
+from blockspec.layers.gemv_rows import _dot_rows
 from blockspec.layers.pdl import pdl_sync
 
 
@@ -31,26 +31,14 @@ def _routed_part(act_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, tok, u, rows, ok, inte
                  stride_act, stride_we, stride_wn, stride_se, stride_sn, dtype: tl.constexpr,
                  TOP_K: tl.constexpr, FORMAT: tl.constexpr, GROUP_N: tl.constexpr,
                  GROUP_K: tl.constexpr, MAGIC: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, EVEN: tl.constexpr = False, PF: tl.constexpr = 0):
+                 BLOCK_K: tl.constexpr, EVEN: tl.constexpr = False):
     """Pick u of token tok over rows, times its weight, rounded once (fp32)."""
     slot = tok * TOP_K + u
     expert = tl.load(ids_ptr + slot).to(tl.int64)
     acc = _dot_rows(w_ptr + expert * stride_we, s_ptr + expert * stride_se,
                     act_ptr + slot * stride_act, rows, ok, inter, k_words, stride_wn, stride_sn,
-                    FORMAT, GROUP_N, GROUP_K, MAGIC, dtype, BLOCK_N, BLOCK_K, EVEN, PF)
+                    FORMAT, GROUP_N, GROUP_K, MAGIC, dtype, BLOCK_N, BLOCK_K, EVEN)
     return _rnd(acc * tl.load(wts_ptr + slot).to(tl.float32), dtype)
-
-
-@triton.jit
-def _prefetch_pick(ids_ptr, w_ptr, s_ptr, slot, rows, ok, inter, k_words, stride_we,
-                   stride_wn, stride_se, stride_sn, FORMAT: tl.constexpr, BLOCK_K: tl.constexpr,
-                   SCALE_BYTES: tl.constexpr, PF: tl.constexpr):
-    """The first chunks (and scales) of slot's expert rows into L2 (PF > 0: _dot_rows)."""
-    if PF > 0:
-        expert = tl.load(ids_ptr + slot).to(tl.int64)
-        _prefetch_rows_start(w_ptr + expert * stride_we, s_ptr + expert * stride_se, rows, ok,
-                             inter, k_words, stride_wn, stride_sn, FORMAT, BLOCK_K, SCALE_BYTES,
-                             PF)
 
 
 @triton.jit
@@ -86,7 +74,6 @@ def _down_split_kernel(act_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, sd_ptr, res_ptr,
                        FORMAT: tl.constexpr, GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
                        MAGIC: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        HAS_SHARED: tl.constexpr = False, EVEN: tl.constexpr = False,
-                       PF: tl.constexpr = 0, SCALE_BYTES: tl.constexpr = 0,
                        USE_PDL: tl.constexpr = False):
     pdl_sync(USE_PDL)
     unit = tl.program_id(0).to(tl.int64)  # token * units + u: a token's units side by side
@@ -99,12 +86,9 @@ def _down_split_kernel(act_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, sd_ptr, res_ptr,
                            shared_n, units - TOP_K, stride_act, stride_sdn, dtype, FORMAT,
                            GROUP_N, GROUP_K, MAGIC, BLOCK_N, BLOCK_K)
     else:
-        _prefetch_pick(ids_ptr, w_ptr, s_ptr, tok * TOP_K + u, rows, ok, inter, k_words,
-                       stride_we, stride_wn, stride_se, stride_sn, FORMAT, BLOCK_K, SCALE_BYTES,
-                       PF)
         val = _routed_part(act_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, tok, u, rows, ok, inter,
                            k_words, stride_act, stride_we, stride_wn, stride_se, stride_sn, dtype,
-                           TOP_K, FORMAT, GROUP_N, GROUP_K, MAGIC, BLOCK_N, BLOCK_K, EVEN, PF)
+                           TOP_K, FORMAT, GROUP_N, GROUP_K, MAGIC, BLOCK_N, BLOCK_K, EVEN)
     tl.store(part_ptr + unit * n + rows, val, mask=ok)
     lock = lock_ptr + tok * tl.num_programs(1) + tl.program_id(1)
     if _last_to_arrive(lock, units):  # reads past L1 (.cg), then resets the counter
@@ -130,7 +114,6 @@ def _down_sum_kernel(act_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, sd_ptr, res_ptr, o
                      GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, MAGIC: tl.constexpr,
                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      HAS_SHARED: tl.constexpr = False, EVEN: tl.constexpr = False,
-                     PF: tl.constexpr = 0, SCALE_BYTES: tl.constexpr = 0,
                      USE_PDL: tl.constexpr = False):
     pdl_sync(USE_PDL)
     tok = tl.program_id(0).to(tl.int64)
@@ -138,19 +121,12 @@ def _down_sum_kernel(act_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, sd_ptr, res_ptr, o
     ok = rows < n
     dtype = out_ptr.dtype.element_ty
     total = tl.zeros([BLOCK_N], dtype=tl.float32)
-    _prefetch_pick(ids_ptr, w_ptr, s_ptr, tok * TOP_K, rows, ok, inter, k_words, stride_we,
-                   stride_wn, stride_se, stride_sn, FORMAT, BLOCK_K, SCALE_BYTES, PF)
     for p in range(TOP_K):
-        # NOTE: with PF the next pick's first chunks go to L2 while this one streams
-        if p + 1 < TOP_K:
-            _prefetch_pick(ids_ptr, w_ptr, s_ptr, tok * TOP_K + p + 1, rows, ok, inter, k_words,
-                           stride_we, stride_wn, stride_se, stride_sn, FORMAT, BLOCK_K,
-                           SCALE_BYTES, PF)
         # NOTE: each weighted pick rounds once, the sum over picks once (run_experts' order).
         total += _routed_part(act_ptr, ids_ptr, wts_ptr, w_ptr, s_ptr, tok, p, rows, ok, inter,
                               k_words, stride_act, stride_we, stride_wn, stride_se, stride_sn,
                               dtype, TOP_K, FORMAT, GROUP_N, GROUP_K, MAGIC, BLOCK_N, BLOCK_K,
-                              EVEN, PF)
+                              EVEN)
     shared = tl.zeros([BLOCK_N], dtype=tl.float32)
     if HAS_SHARED:  # the shared experts' down projection over their parts' columns
         for j in range(parts):
