@@ -11,8 +11,8 @@ shared, 1 dense layer) + a 4-layer DFlash drafter (block 16; the adaptive policy
      DFlash engine with the LABELLED synthetic acceptance a (each draft position accepted with
      probability a; the text is not the target's: a system-timing mode only); at C=1 also fixed
      blocks 8 and 16, each against what the bytes model predicts from its measured experts per
-     verify forward and tau, then adaptive once more (what the sweep's first cell pays for
-     coming first);
+     verify forward and tau, then adaptive once more (a check that the warm-up, mirroring
+     AR's, leaves nothing cold for the sweep's first cell);
   4. HF transformers `generate` at C=1 on the same weights (outside reference).
 Kimi-K2.6-width slice (hidden 7168, 64 heads, MLA 1536/512/128+64/128, 384 experts of 2048,
 top 8, one shared; one dense + --kimi-moe-layers MoE layers):
@@ -115,7 +115,12 @@ def moonlight_ar(res: dict, target: Path, bw: float) -> None:
 def moonlight_dflash(res: dict, target: Path, drafter: Path, bw: float, a: float) -> None:
     sp = LLM(str(target), draft=str(drafter), synthetic_acceptance=a, benchmark_mode=True,
              **ENGINE)
+    # NOTE: warmed as moonlight_ar's engine is before its sweep (4 requests, then 1, of the
+    # sweep's lengths): with 2 x 8 tokens only, the first C=1 cell ran 16% under the same
+    # cell after the fixed blocks (551 against 655 tok/s on an H100, 2026-12-06)
     timed_generate(sp, prompts(2, 99), 8)
+    timed_generate(sp, prompts(4, 7), OUTPUT_LEN)
+    timed_generate(sp, prompts(1, 8), OUTPUT_LEN)
     res["dflash"] = {}
     for c in res["concurrency"]:
         r = closed_loop(sp, c, 1000 + c)
@@ -145,8 +150,8 @@ def moonlight_dflash(res: dict, target: Path, drafter: Path, bw: float, a: float
               f"{r['tau']:.2f}, {e:.1f} experts/layer, ratio {r['ratio_vs_ar']} vs bytes model "
               f"{predicted:.2f}", flush=True)
     sp.engine.runner.set_policy("adaptive")
-    # NOTE: adaptive at C=1 once more, after the fixed blocks: against the first C=1 run, what
-    # the run order (first requests of their shapes, warm-up) costs the sweep's first cell
+    # NOTE: adaptive at C=1 once more, after the fixed blocks: equal to the first C=1 run
+    # unless the warm-up above leaves something cold for the sweep's first cell
     r = res["dflash_c1_adaptive_again"] = closed_loop(sp, 1, 1001)
     r["ratio_vs_ar"] = r["output_tok_s"] / ar_c1 if ar_c1 else None
     print(f"Moonlight DFlash a={a} C=1 again (after the fixed blocks): "
