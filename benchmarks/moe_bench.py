@@ -116,8 +116,7 @@ def moonlight_dflash(res: dict, target: Path, drafter: Path, bw: float, a: float
     sp = LLM(str(target), draft=str(drafter), synthetic_acceptance=a, benchmark_mode=True,
              **ENGINE)
     # NOTE: warmed as moonlight_ar's engine is before its sweep (4 requests, then 1, of the
-    # sweep's lengths): with 2 x 8 tokens only, the first C=1 cell ran 16% under the same
-    # cell after the fixed blocks (551 against 655 tok/s on an H100, 2026-12-06)
+    # sweep's lengths), so the sweep's first cell is no cold start (docs/benchmarks.md)
     timed_generate(sp, prompts(2, 99), 8)
     timed_generate(sp, prompts(4, 7), OUTPUT_LEN)
     timed_generate(sp, prompts(1, 8), OUTPUT_LEN)
