@@ -108,6 +108,39 @@ def check_mla(report: dict) -> None:
                 report[f"mla_h{heads}_{name}{tag}_rel_err"] = err
                 print(f"triton MLA H={heads} {name}{tag}: rel err {err:.2e}")
                 assert err < 2e-2 and out[..., rank:].abs().max() == 0, f"{heads} {name}{tag}"
+    check_mla_one_token(report, cache, perm, g)
+
+
+def check_mla_one_token(report: dict, cache: torch.Tensor, perm: list[int],
+                        g: torch.Generator) -> None:
+    """One token's split-KV partials merged in the W_UV absorb (layers/mla_one_token.py)
+    against the merge kernel then the absorb, at Moonlight's and Kimi's heads (v 128): whether
+    bit-equal, and the relative difference."""
+    from blockspec.layers.mla_absorb import absorb
+    from blockspec.layers.mla_one_token import absorb_merge
+    from blockspec.layers.triton_mla import TritonMLABackend
+
+    d, rank = cache.shape[-1], 512
+    for heads in (16, 64):
+        for n in (37, 640, 3000):
+            meta = AttentionMetadata.build([1], [n], [perm[:-(-n // cache.shape[1])]], [0],
+                                           "cuda")
+            meta.max_seq_len = 40960  # the graphs' bucket: 32 splits, some without keys
+            q = torch.randn(1, heads, d, device="cuda", dtype=torch.bfloat16, generator=g)
+            w_uv = torch.randn(heads, 128, rank, device="cuda", dtype=torch.bfloat16,
+                               generator=g) / rank**0.5
+            backend = TritonMLABackend()
+            want, got = (torch.empty(1, heads, 128, device="cuda", dtype=torch.bfloat16)
+                         for _ in range(2))
+            absorb(backend.attend(q, cache, cache, meta, d**-0.5)[..., :rank], w_uv, want,
+                   "triton")
+            absorb_merge(*backend.attend_partials(q, cache, meta, d**-0.5), w_uv, got)
+            err, key = rel_err(got, want), f"mla_one_token_h{heads}_ctx{n}"
+            report[f"{key}_rel_err"] = err
+            report[f"{key}_bit_equal"] = bool(torch.equal(got, want))
+            print(f"MLA one-token merge H={heads} ctx={n}: rel err {err:.2e}, bit-equal "
+                  f"{torch.equal(got, want)}")
+            assert err < 1e-2, key
 
 
 def check_linear(report: dict) -> None:

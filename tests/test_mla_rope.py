@@ -15,6 +15,7 @@ from helpers import PagedCache
 import blockspec.models.deepseek_v3 as ds
 from blockspec.config import ModelConfig
 from blockspec.layers.mla_fused import mla_rope_norm
+from blockspec.layers.mla_one_token import absorb_rope_norm
 from blockspec.layers.rotary import RotaryEmbedding
 from blockspec.model_config import RopeConfig
 from blockspec.models.loader import load_model
@@ -142,11 +143,66 @@ def test_logits_match_hf(ds_path, hf_logits, monkeypatch, reorder, use_triton):
     if not reorder:
         monkeypatch.setattr(ds, "permutes_rope_at_load", lambda cfg: False)
     if use_triton:
-        monkeypatch.setattr(ds, "mla_rope_norm",
-                            functools.partial(mla_rope_norm, use_triton=True))
+        monkeypatch.setattr(ds, "absorb_rope_norm",
+                            functools.partial(absorb_rope_norm, use_triton=True))
     model = load_model(ds_path, ModelConfig.from_pretrained(ds_path), torch.float32, "cpu")
     assert model.rope_rows_permuted == reorder
     assert all(layer.self_attn.rope_rows_permuted == reorder for layer in model.model.layers)
     ids, ref = hf_logits
     (got,), _ = PagedCache(model).forward([([2, 0, 3], 0, ids)])
     torch.testing.assert_close(got, ref, **TOL)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("slot", [9, -1])
+def test_one_token_absorb_and_rope_norm_in_one_launch(dtype, slot):
+    """mla_one_token.absorb_rope_norm at one token (the W_UK absorb's programs and the rope /
+    latent norm's in one grid) writes exactly what absorb then mla_rope_norm write: the
+    absorbed and roped query columns and the cache slot (none for slot -1)."""
+    from blockspec.layers import mla_one_token
+    from blockspec.layers.mla_absorb import absorb
+
+    h, nope, latent, r = 3, 16, 40, 8
+    q_pe, kv, w = _inputs(1, h, latent, r, dtype)
+    q_nope = torch.randn(1, h, nope, generator=torch.Generator().manual_seed(2)).to(dtype)
+    w_uk = torch.randn(h, nope, latent, generator=torch.Generator().manual_seed(3)).to(dtype)
+    rotary = RotaryEmbedding(r, 64, RopeConfig())
+    cache = torch.randn(2, 16, 1, latent + r, generator=torch.Generator().manual_seed(5))
+    cache = cache.to(dtype)
+    outs = []
+    for fused in (False, True):
+        q_attn = torch.full((1, h, latent + r), float("nan"), dtype=dtype)
+        c = cache.clone()
+        rope = dict(q_pe=q_pe, kv=kv, positions=torch.tensor([13]), cos_cache=rotary.cos_cache,
+                    sin_cache=rotary.sin_cache, norm_weight=w, eps=1e-6,
+                    q_out=q_attn[..., latent:], entry=torch.empty(1, 1, latent + r, dtype=dtype),
+                    interleaved=True, use_triton=True, cache=c,
+                    slot_mapping=torch.tensor([slot]))
+        if fused:
+            assert mla_one_token.absorb_rope_norm(q_nope, w_uk.transpose(1, 2),
+                                                  q_attn[..., :latent], "triton", **rope)
+        else:
+            absorb(q_nope, w_uk.transpose(1, 2), q_attn[..., :latent], "triton")
+            assert mla_rope_norm(**rope)
+        outs.append((q_attn, c))
+    (q_ref, c_ref), (q_got, c_got) = outs
+    assert torch.equal(q_got, q_ref) and torch.equal(c_got, c_ref)
+    assert torch.equal(c_got, cache) == (slot < 0)
+
+
+def test_absorb_rope_norm_takes_two_launches_off_its_one_token_path(monkeypatch):
+    """More tokens, the torch absorb, or no cache to write into: the two calls as before."""
+    from blockspec.layers import mla_one_token
+
+    calls = []
+    monkeypatch.setattr(mla_one_token, "absorb", lambda *a: calls.append("absorb"))
+    monkeypatch.setattr(mla_one_token, "mla_rope_norm",
+                        lambda **k: calls.append(("rope", k["use_triton"])) or False)
+    two, w = torch.zeros(2, 3, 16), torch.zeros(3, 40, 16)
+    cache = dict(cache=torch.zeros(2, 16, 1, 48), slot_mapping=torch.zeros(2, dtype=torch.long))
+    for x, backend, more in ((two, "triton", cache), (two[:1], "torch", cache),
+                             (two[:1], "triton", dict(cache=None, slot_mapping=None))):
+        calls.clear()
+        assert not mla_one_token.absorb_rope_norm(x, w, None, backend, kv=torch.zeros(1, 48),
+                                                  use_triton=True, **more)
+        assert calls == ["absorb", ("rope", True)]

@@ -224,6 +224,21 @@ def main() -> int:
     for block_n, block_k in ((32, 128), (8, 512)):  # q_nope @ W_UK, out @ W_UV^T (Moonlight)
         assert "cubin" in compile_sm90(ma._absorb_kernel, dict(BLOCK_N=block_n, BLOCK_K=block_k),
                                        dict(x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16"))
+    import blockspec.layers.mla_one_token as mo
+
+    # Moonlight's one-token launches: W_UK absorb + rope / latent norm into the cache, W_UV
+    # absorb merging 32 splits (mla_one_token.py)
+    consts = dict(LATENT=512, ROPE=64, HALF_BLOCK=32, LATENT_BLOCK=512, INTERLEAVED=False,
+                  BLOCK_SIZE=16, BLOCK_N=32, BLOCK_K=128)
+    assert "cubin" in compile_kernel_sm90(mo._absorb_rope_norm_kernel, consts, dict(
+        x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16", q_ptr="*bf16", kv_ptr="*bf16",
+        pos_ptr="*i64", cos_ptr="*fp32", sin_ptr="*fp32", nw_ptr="*bf16", q_out_ptr="*bf16",
+        entry_ptr="*bf16", slot_ptr="*i64", eps="fp32"), num_warps=4,
+        enable_fp_fusion=False).asm
+    consts = dict(NUM_SPLITS=32, ACT=tl.bfloat16, BLOCK_N=mo.MERGE_BLOCK_N, BLOCK_K=512)
+    assert "cubin" in compile_kernel_sm90(mo._absorb_merge_kernel, consts, dict(
+        part_ptr="*fp32", lse_ptr="*fp32", w_ptr="*bf16", y_ptr="*bf16"),
+        num_warps=mo.MERGE_WARPS, enable_fp_fusion=False).asm
     compile_pdl()
     import blockspec.layers.split_gemv as sg
 

@@ -225,6 +225,36 @@ def test_bad_shapes_are_refused():
 
 
 @needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_token_partials_merged_by_the_w_uv_absorb(dtype):
+    """attend_partials + mla_one_token.absorb_merge (the merge in the W_UV absorb's programs)
+    against attend (the merge kernel) + absorb, at one token over 8 splits of which 4 got keys
+    (the others weigh nothing: their partials were never written); nothing for other steps."""
+    from blockspec.layers.mla_absorb import absorb
+    from blockspec.layers.mla_one_token import absorb_merge
+
+    q, cache, meta = make_case([1], [100], 16, dtype=dtype)
+    backend, scale = TritonMLABackend(RANK, num_splits=8, split_keys=16), q.shape[-1] ** -0.5
+    w_uv = torch.randn(16, 24, RANK, generator=torch.Generator().manual_seed(4)).to(DEVICE,
+                                                                                     dtype)
+    want = torch.empty(1, 16, 24, dtype=dtype, device=DEVICE)
+    absorb(backend.attend(q, cache, cache, meta, scale)[..., :RANK], w_uv, want, "triton")
+    part, lse = backend.attend_partials(q, cache, meta, scale)
+    assert part.shape == (1, 16, 8, RANK) and lse.shape == (1, 16, 8)
+    assert lse[..., 4:].eq(float("-inf")).all() and lse[..., :4].isfinite().all()
+    got = torch.empty_like(want)
+    absorb_merge(part, lse, w_uv, got)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # the merge's fma: one rounding fewer
+    torch.testing.assert_close(got.float(), want.float(), atol=tol, rtol=tol)
+    assert want.abs().max() > 1.0
+    for case, b in ((make_case([2], [100], 16), backend),  # a verify block
+                    (make_case([1, 1], [100, 50], 16), backend),  # two sequences
+                    (make_case([1], [100], 16), TritonMLABackend(RANK, num_splits=1))):
+        q, cache, meta = case
+        assert b.attend_partials(q, cache, meta, scale) is None
+
+
+@needs_triton
 @pytest.mark.skipif(DEVICE == "cuda", reason="a CPU model run (the interpreter is off here)")
 def test_tiny_deepseek_v3_logits_match_torch_backend(tmp_path, monkeypatch):
     """The whole tiny DeepSeek-V3 (4 heads, a 32 + 8 latent) with the MLA backend on its
@@ -237,6 +267,7 @@ def test_tiny_deepseek_v3_logits_match_torch_backend(tmp_path, monkeypatch):
     import blockspec.models.deepseek_v3 as ds
     from blockspec.config import ModelConfig
     from blockspec.layers.attention import PagedAttention
+    from blockspec.layers.mla_one_token import absorb_merge
     from blockspec.models.loader import load_model
     from blockspec.tiny import build_tiny_deepseek_v3
 
@@ -246,22 +277,29 @@ def test_tiny_deepseek_v3_logits_match_torch_backend(tmp_path, monkeypatch):
     ids = torch.randint(1, 500, (40,), generator=torch.Generator().manual_seed(0)).tolist()
     steps = [[([3, 1, 4], 0, ids[:30])], [([3, 1, 4], 30, ids[30:39])], [([3, 1, 4], 39, ids[39:])]]
     logits = {}
-    direct = functools.partial(ds.mla_rope_norm, use_triton=True)
-    stores = []
+    direct = functools.partial(ds.absorb_rope_norm, use_triton=True)
+    stores, merged = [], []
     monkeypatch.setattr(mla, "store_kv", lambda *args: stores.append(1) or store_kv(*args))
-    for name in ("torch", "triton_mla", "direct"):
+    monkeypatch.setattr(ds, "absorb_merge", lambda *a: merged.append(1) or absorb_merge(*a))
+    for name in ("torch", "triton_mla", "direct", "one_token"):
         if name == "direct":
-            monkeypatch.setattr(ds, "mla_rope_norm", direct)
+            monkeypatch.setattr(ds, "absorb_rope_norm", direct)
         cache = PagedCache(model, num_blocks=8)
         layers = [m for m in model.modules() if isinstance(m, PagedAttention)]
         for layer in layers:  # NOTE: the runner binds one latent cache as K and V
             layer.v_cache = layer.k_cache
-            layer.backend = TORCH if name == "torch" else TritonMLABackend(cfg.mla.kv_lora_rank)
+            # NOTE: one_token: the decode step's 40 keys in splits of 8 or more
+            layer.backend = TORCH if name == "torch" else TritonMLABackend(
+                cfg.mla.kv_lora_rank, split_keys=8 if name == "one_token" else None)
+        for m in model.modules():  # the absorbs' backend: Triton for the one-token launches
+            if isinstance(m, ds.MLAttention):
+                m.kv_b_proj.backend = "triton" if name == "one_token" else "torch"
         stores.clear()
         logits[name] = torch.cat([cache.forward(batch)[0][0] for batch in steps])
         assert len(stores) == (0 if name != "triton_mla" else 2 * len(steps))
-    torch.testing.assert_close(logits["triton_mla"], logits["torch"], atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(logits["direct"], logits["torch"], atol=1e-4, rtol=1e-4)
+        assert len(merged) == (2 if name == "one_token" else 0)  # the decode step's 2 layers
+    for name in ("triton_mla", "direct", "one_token"):
+        torch.testing.assert_close(logits[name], logits["torch"], atol=1e-4, rtol=1e-4)
     assert logits["torch"].abs().max() > 1.0
 
 

@@ -164,6 +164,14 @@ class PagedAttention(nn.Module):
         bound as both caches), else None (forward's store_kv writes both)."""
         return self.k_cache if getattr(self.backend, "reads_k_cache_only", False) else None
 
+    def partials(self, q: torch.Tensor, meta: AttentionMetadata
+                 ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """forward(q, None, None, meta) without its split-KV merge, where the backend offers
+        that for this step (TritonMLABackend.attend_partials: the caller merges), else None."""
+        attend_partials = getattr(self.backend, "attend_partials", None)
+        return None if attend_partials is None else attend_partials(q, self.k_cache, meta,
+                                                                    self.scale)
+
     def forward(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None,
                 meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, Hkv, D] (None: already in the cache) -> [T, Hq, D]."""

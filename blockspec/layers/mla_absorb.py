@@ -28,11 +28,12 @@ _TILE = 4096  # weight values a program holds: BLOCK_N = _TILE / BLOCK_K
 
 
 @_jit
-def _absorb_kernel(x_ptr, w_ptr, y_ptr, T, N, K, stride_xt, stride_xh, stride_wh, stride_wn,
-                   stride_wk, stride_yt, stride_yh, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False):
-    h = tl.program_id(0).to(tl.int64)
-    n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+def _absorb_program(x_ptr, w_ptr, y_ptr, h, n_block, T, N, K, stride_xt, stride_xh, stride_wh,
+                    stride_wn, stride_wk, stride_yt, stride_yh, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+    """Head h's outputs n_block * BLOCK_N.. for every token (one program's work)."""
+    h = h.to(tl.int64)
+    n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
     w = tl.load(w_ptr + h * stride_wh + n[:, None] * stride_wn + k[None, :] * stride_wk,
                 mask=(n < N)[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
@@ -42,6 +43,15 @@ def _absorb_kernel(x_ptr, w_ptr, y_ptr, T, N, K, stride_xt, stride_xh, stride_wh
         y = tl.sum(w * x.to(tl.float32)[None, :], 1)
         tl.store(y_ptr + t * stride_yt + h * stride_yh + n, _cast(y, y_ptr.dtype.element_ty),
                  mask=n < N)
+
+
+@_jit
+def _absorb_kernel(x_ptr, w_ptr, y_ptr, T, N, K, stride_xt, stride_xh, stride_wh, stride_wn,
+                   stride_wk, stride_yt, stride_yh, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr = False):
+    _absorb_program(x_ptr, w_ptr, y_ptr, tl.program_id(0), tl.program_id(1), T, N, K, stride_xt,
+                    stride_xh, stride_wh, stride_wn, stride_wk, stride_yt, stride_yh, BLOCK_N,
+                    BLOCK_K, USE_PDL)
 
 
 def _use_triton(x: torch.Tensor, backend: str, max_tokens: int) -> bool:
@@ -64,9 +74,14 @@ def absorb(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, backend: str = "
     assert x.stride(2) == 1 and out.stride(2) == 1
     if t == 0:
         return
-    block_k = triton.next_power_of_2(k)
-    block_n = min(triton.next_power_of_2(n), max(1, _TILE // block_k))
+    block_n, block_k = absorb_tiles(n, k)
     _absorb_kernel[(h, triton.cdiv(n, block_n))](
         x, w, out, t, n, k, x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2),
         out.stride(0), out.stride(1), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
         enable_fp_fusion=False, **pdl_args(x.device))
+
+
+def absorb_tiles(n: int, k: int) -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_K) of an absorb program: all of K, and _TILE weight values."""
+    block_k = triton.next_power_of_2(k)
+    return min(triton.next_power_of_2(n), max(1, _TILE // block_k)), block_k

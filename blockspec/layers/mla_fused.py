@@ -42,17 +42,15 @@ def _rope_row(src, dst, cos, sin, offs, mask, half: tl.constexpr, dtype: tl.cons
 
 
 @_jit
-def _mla_rope_norm_kernel(
-    q_ptr, kv_ptr, pos_ptr, cos_ptr, sin_ptr, w_ptr, q_out_ptr, entry_ptr, slot_ptr,
+def _rope_norm_program(
+    q_ptr, kv_ptr, pos_ptr, cos_ptr, sin_ptr, w_ptr, q_out_ptr, entry_ptr, slot_ptr, tok, head,
     q_stride0, q_stride1, kv_stride, qo_stride0, qo_stride1, entry_stride, cos_stride,
     stride_cb, stride_cs, num_heads, eps, LATENT: tl.constexpr, ROPE: tl.constexpr,
     HALF_BLOCK: tl.constexpr, LATENT_BLOCK: tl.constexpr, INTERLEAVED: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr = 0, USE_PDL: tl.constexpr = False,
+    BLOCK_SIZE: tl.constexpr,
 ):
-    pdl_sync(USE_PDL)
-    # One program per (token, head); program `num_heads` of a token is its cache entry's.
-    tok = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
+    """Token tok's query rope of `head`, or (head == num_heads) its cache entry."""
+    tok = tok.to(tl.int64)
     dtype = kv_ptr.dtype.element_ty
     half: tl.constexpr = ROPE // 2
     offs = tl.arange(0, HALF_BLOCK)
@@ -83,6 +81,23 @@ def _mla_rope_norm_kernel(
         w = tl.load(w_ptr + loffs, mask=lmask, other=0.0).to(tl.float32)
         # NOTE: HF order: normalise in fp32, cast to the input dtype, then scale by the weight.
         tl.store(dst + loffs, _cast(w * _rnd(x * rstd, dtype), dtype), mask=lmask)
+
+
+@_jit
+def _mla_rope_norm_kernel(
+    q_ptr, kv_ptr, pos_ptr, cos_ptr, sin_ptr, w_ptr, q_out_ptr, entry_ptr, slot_ptr,
+    q_stride0, q_stride1, kv_stride, qo_stride0, qo_stride1, entry_stride, cos_stride,
+    stride_cb, stride_cs, num_heads, eps, LATENT: tl.constexpr, ROPE: tl.constexpr,
+    HALF_BLOCK: tl.constexpr, LATENT_BLOCK: tl.constexpr, INTERLEAVED: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr = 0, USE_PDL: tl.constexpr = False,
+):
+    pdl_sync(USE_PDL)
+    # One program per (token, head); program `num_heads` of a token is its cache entry's.
+    _rope_norm_program(q_ptr, kv_ptr, pos_ptr, cos_ptr, sin_ptr, w_ptr, q_out_ptr, entry_ptr,
+                       slot_ptr, tl.program_id(0), tl.program_id(1), q_stride0, q_stride1,
+                       kv_stride, qo_stride0, qo_stride1, entry_stride, cos_stride, stride_cb,
+                       stride_cs, num_heads, eps, LATENT, ROPE, HALF_BLOCK, LATENT_BLOCK,
+                       INTERLEAVED, BLOCK_SIZE)
 
 
 def _torch_mla_rope_norm(q_pe, kv, positions, cos_cache, sin_cache, norm_weight, eps, q_out,
@@ -124,6 +139,27 @@ def mla_rope_norm(q_pe: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor,
         _torch_mla_rope_norm(q_pe, kv, positions, cos_cache, sin_cache, norm_weight, eps, q_out,
                              entry, interleaved)
         return False
+    launch = rope_norm_launch(q_pe, kv, positions, cos_cache, sin_cache, norm_weight, eps,
+                              q_out, entry, interleaved, cache, slot_mapping)
+    if t > 0:
+        args, consts = launch
+        _mla_rope_norm_kernel[(t, h + 1)](*args, **consts, num_warps=rope_norm_warps(latent),
+                                          enable_fp_fusion=False, **pdl_args(kv.device))
+    return cache is not None and slot_mapping is not None
+
+
+def rope_norm_warps(latent: int) -> int:
+    return 1 if triton.next_power_of_2(latent) <= 256 else 4
+
+
+def rope_norm_launch(q_pe: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor,
+                     cos_cache: torch.Tensor, sin_cache: torch.Tensor, norm_weight: torch.Tensor,
+                     eps: float, q_out: torch.Tensor, entry: torch.Tensor, interleaved: bool,
+                     cache: torch.Tensor | None, slot_mapping: torch.Tensor | None
+                     ) -> tuple[tuple, dict]:
+    """(arguments, constexprs) of _rope_norm_program for mla_rope_norm's inputs (checked)."""
+    t, h, r = q_pe.shape
+    latent = norm_weight.shape[0]
     # NOTE: layouts are checked on shapes/strides only (no host sync: graph capture is safe).
     assert q_pe.stride(-1) == kv.stride(-1) == q_out.stride(-1) == entry.stride(-1) == 1
     assert cos_cache.is_contiguous() and sin_cache.is_contiguous() and norm_weight.is_contiguous()
@@ -131,17 +167,12 @@ def mla_rope_norm(q_pe: torch.Tensor, kv: torch.Tensor, positions: torch.Tensor,
     if direct:
         assert cache.shape[2:] == (1, latent + r) and cache.stride(3) == 1
         assert cache.dtype == kv.dtype and slot_mapping.shape == (t,)
-    if t == 0:
-        return direct
     dst = cache if direct else entry
-    half_block = triton.next_power_of_2(r // 2)
-    latent_block = triton.next_power_of_2(latent)
-    _mla_rope_norm_kernel[(t, h + 1)](
-        q_pe, kv, positions, cos_cache, sin_cache, norm_weight, q_out, dst,
-        slot_mapping if direct else positions, q_pe.stride(0), q_pe.stride(1), kv.stride(0),
-        q_out.stride(0), q_out.stride(1), entry.stride(0), cos_cache.stride(0),
-        dst.stride(0), dst.stride(1), h, eps, LATENT=latent, ROPE=r,
-        HALF_BLOCK=half_block, LATENT_BLOCK=latent_block, INTERLEAVED=interleaved,
-        BLOCK_SIZE=cache.shape[1] if direct else 0,
-        num_warps=1 if latent_block <= 256 else 4, enable_fp_fusion=False, **pdl_args(kv.device))
-    return direct
+    args = (q_pe, kv, positions, cos_cache, sin_cache, norm_weight, q_out, dst,
+            slot_mapping if direct else positions, q_pe.stride(0), q_pe.stride(1), kv.stride(0),
+            q_out.stride(0), q_out.stride(1), entry.stride(0), cos_cache.stride(0),
+            dst.stride(0), dst.stride(1), h, eps)
+    consts = dict(LATENT=latent, ROPE=r, HALF_BLOCK=triton.next_power_of_2(r // 2),
+                  LATENT_BLOCK=triton.next_power_of_2(latent), INTERLEAVED=interleaved,
+                  BLOCK_SIZE=cache.shape[1] if direct else 0)
+    return args, consts

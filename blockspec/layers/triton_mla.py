@@ -101,8 +101,11 @@ def _mla_kernel(q_ptr, cache_ptr, out_ptr, part_ptr, lse_ptr,
 
     lo, hi, kv_end = _split_keys(seq_len, q_len, q_tile, split, BLOCK_Q, BLOCK_N, CAUSAL,
                                  NUM_SPLITS, MIN_CHUNK)
-    # NOTE: a split past the keys writes nothing; the merge reads only the splits that got keys.
+    # NOTE: a split past the keys writes only its lse, -inf (weight 0): the merge kernel reads
+    # only the splits that got keys, mla_one_token's merge every split.
     if split > 0 and lo >= kv_end:
+        tl.store(lse_ptr + row * stride_lt + head * stride_lh + split,
+                 tl.full([BLOCK_M], float("-inf"), tl.float32), mask=row_ok)
         return
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -252,11 +255,28 @@ class TritonMLABackend:
         return LaunchPlan(block_h, block_q, block_m, block_n, num_warps, num_stages, flat, tiles,
                           head_blocks, splits, min_keys)
 
+    def attend_partials(self, q: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata,
+                        scale: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """For one sequence's one-token step split over its keys: the attention kernel alone,
+        returning its per-split outputs part [1, H, S, kv_lora_rank] (fp32, normalised) and
+        lse [1, H, S] (log2; -inf for a split without keys), whose merge the caller does
+        (mla_one_token.absorb_merge). None (nothing launched) for any other step."""
+        if q.shape[0] != 1 or meta.num_seqs != 1 or meta.max_query_len != 1 \
+                or k_cache.shape[2:] != (1, q.shape[2]) or q.shape[2] <= self.kv_lora_rank:
+            return None
+        if self.plan(1, q.shape[1], meta, 1, q.device).splits < 2:
+            return None
+        assert k_cache.stride(3) == 1 and q.stride(2) == 1
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # its rope zeros: unread
+        return self._launch(q, k_cache, out, meta, scale, 1, (0, _MAX_Q), merge=False)
+
     def _launch(self, q: torch.Tensor, cache: torch.Tensor, out: torch.Tensor,
                 meta: AttentionMetadata, scale: float, max_q: int,
-                q_range: tuple[int, int]) -> None:
+                q_range: tuple[int, int], merge: bool = True
+                ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The kernels over the sequences whose query length is in (q_range[0], q_range[1]],
-        tiled for queries of up to `max_q` tokens."""
+        tiled for queries of up to `max_q` tokens; without `merge` (and split) the split-KV
+        merge is left out and (part, lse) returned."""
         num_tokens, num_heads, head_dim = q.shape
         rank, p = self.kv_lora_rank, self.plan(q.shape[0], q.shape[1], meta, max_q, q.device)
         if p.splits > 1:
@@ -284,6 +304,8 @@ class TritonMLABackend:
             MIN_CHUNK=p.min_keys if p.splits > 1 else 0, DOT_DTYPE=dot_dtype,
             DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
             num_warps=p.num_warps, num_stages=p.num_stages, **common, **pdl_args(q.device))
+        if p.splits > 1 and not merge:
+            return part, lse
         if p.splits > 1:
             d_block = min(MERGE_D_BLOCK, rank)
             _merge_kernel[(*p.tiles, p.head_blocks * triton.cdiv(rank, d_block))](
@@ -291,3 +313,4 @@ class TritonMLABackend:
                 *part.stride()[:3], lse.stride(0), lse.stride(1), out.stride(0), out.stride(1),
                 GROUP=p.block_h, HEAD_DIM=rank, D_BLOCK=d_block, MIN_CHUNK=p.min_keys,
                 num_warps=4, **common, **pdl_args(q.device))
+        return None

@@ -23,7 +23,7 @@ from blockspec.layers.fused import rms_norm
 from blockspec.layers.fused_moe import fused_experts
 from blockspec.layers.linear import Linear, linear
 from blockspec.layers.mla_absorb import absorb
-from blockspec.layers.mla_fused import mla_rope_norm
+from blockspec.layers.mla_one_token import absorb_merge, absorb_rope_norm
 from blockspec.layers.moe import count_experts, experts_reference, route_tokens
 from blockspec.layers.moe_decode import folds_shared
 from blockspec.layers.norm import RMSNorm
@@ -122,19 +122,26 @@ class MLAttention(nn.Module):
         # latent, roped k_pe] are written in place into their column slices (no concatenation).
         q_attn = x.new_empty(t, h, mla.latent_dim)
         entry = x.new_empty(t, 1, mla.latent_dim)
-        # NOTE: the absorbs follow the linear backend (kv_b_proj's: "triton" on a GPU)
-        absorb(q[..., :nope], w_uk.transpose(1, 2), q_attn[..., :rank], self.kv_b_proj.backend)
-        norm = self.kv_a_layernorm
-        # NOTE: with the Triton MLA attention the fused op writes the entry into the cache
-        # itself (one launch a layer fewer); else the attention's store_kv does
-        stored = mla_rope_norm(q[..., nope:], kv, positions, self.rotary.cos_cache,
-                               self.rotary.sin_cache, norm.weight, norm.eps, q_attn[..., rank:],
-                               entry, mla.rope_interleave and not self.rope_rows_permuted,
-                               cache=self.attn.direct_cache(), slot_mapping=meta.slot_mapping)
-        kv_in = None if stored else entry
-        out = self.attn(q_attn, kv_in, kv_in, meta)[..., :rank]
+        # NOTE: the absorbs follow the linear backend (kv_b_proj's: "triton" on a GPU); with
+        # the Triton MLA attention the fused op writes the entry into the cache itself (one
+        # launch a layer fewer; else the attention's store_kv does), and at one token it runs in
+        # the W_UK absorb's launch (layers/mla_one_token.py)
+        norm, backend = self.kv_a_layernorm, self.kv_b_proj.backend
+        stored = absorb_rope_norm(
+            q[..., :nope], w_uk.transpose(1, 2), q_attn[..., :rank], backend, q_pe=q[..., nope:],
+            kv=kv, positions=positions, cos_cache=self.rotary.cos_cache,
+            sin_cache=self.rotary.sin_cache, norm_weight=norm.weight, eps=norm.eps,
+            q_out=q_attn[..., rank:], entry=entry,
+            interleaved=mla.rope_interleave and not self.rope_rows_permuted,
+            cache=self.attn.direct_cache(), slot_mapping=meta.slot_mapping)
         o = x.new_empty(t, h, mla.v_head_dim)
-        absorb(out, w_uv, o, self.kv_b_proj.backend)
+        # NOTE: a one-token step's split-KV partials are merged by the W_UV absorb's programs
+        partials = self.attn.partials(q_attn, meta) if stored and backend == "triton" else None
+        if partials is not None:
+            absorb_merge(*partials, w_uv, o)
+        else:
+            kv_in = None if stored else entry
+            absorb(self.attn(q_attn, kv_in, kv_in, meta)[..., :rank], w_uv, o, backend)
         return self.o_proj(o.view(t, h * mla.v_head_dim))
 
 
