@@ -1,15 +1,21 @@
-"""A/B of programmatic dependent launch (layers/pdl.py) on the batch-1 decode step, one GPU,
-one run (issues 21 and 23).
+"""A/B of a launch option on the batch-1 decode step, one GPU, one run (issues 21 and 23):
+programmatic dependent launch (`--ab pdl`, layers/pdl.py), MLA's one-token launches
+(`--ab mla_one_token`, layers/mla_one_token.py: the W_UK absorb with the rope / latent norm,
+the W_UV absorb with the split-KV merge, against the separate launches) or unfolded shared
+experts on a side stream (`--ab shared_beside`, layers/side_stream.py; the Kimi slice's int4
+layers) against before the routing.
 
 For each target (random weights, `load_format=dummy`): Moonlight-16B-A3B's shape, the
 Kimi-K2.6-width slice with INT4 experts (benchmarks/moe_bench.py's) and optionally the dense
 Qwen3-8B shape, one engine is started and its AR decode step (batch 1, context 640) is captured
-again into a CUDA graph with the Triton kernels launched with PDL and without (BLOCKSPEC_PDL,
-read at capture). Each: median graph replay of 50 (after 5, gpu_timing.replay_ms), its ratio
-to the step's bytes floor at the measured copy bandwidth, and whether its logits equal the first
-capture's bit for bit (PDL changes no arithmetic, so a difference is a race).
+again into a CUDA graph with the option off and on (read at capture). Each: median graph replay
+of 50 (after 5, gpu_timing.replay_ms), its ratio to the step's bytes floor at the measured copy
+bandwidth, and whether its logits equal the first capture's bit for bit (PDL changes no
+arithmetic, so a difference is a race; the one-token launches keep the separate launches'
+arithmetic but for the merge's fused multiply-add; the side stream changes only the order).
 
-Usage: python benchmarks/step_ab.py --out FILE.json [--qwen3] [--skip moonlight,kimi_int4]
+Usage: python benchmarks/step_ab.py --out FILE.json [--ab pdl|mla_one_token|shared_beside]
+       [--qwen3] [--skip moonlight,kimi_int4]
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+import blockspec.models.deepseek_v3 as ds
 from blockspec import LLM
 from blockspec.bench.common import git_commit, recorded_command
 from blockspec.bench.fullsize import INPUT_LEN
@@ -37,13 +44,46 @@ from blockspec.bench.moe_shapes import (
     write_moe_folders,
 )
 from blockspec.engine.decode_step import GraphedDecodeStep
+from blockspec.layers.attention import PagedAttention
+from blockspec.layers.mla_absorb import absorb
+from blockspec.layers.mla_fused import mla_rope_norm
 
 CTX = INPUT_LEN + 128
 
 
-def variant(llm: LLM, pdl: bool) -> tuple[float, torch.Tensor]:
-    """(median replay ms, logits) of the batch-1 AR step captured with or without PDL."""
-    os.environ["BLOCKSPEC_PDL"] = "1" if pdl else "0"
+def set_pdl(llm: LLM, on: bool) -> None:
+    os.environ["BLOCKSPEC_PDL"] = "1" if on else "0"
+
+
+_ONE_TOKEN = (ds.absorb_rope_norm, PagedAttention.partials)
+
+
+def set_mla_one_token(llm: LLM, on: bool) -> None:
+    """MLA's one-token launches (the model's default) or, off, the separate launches."""
+    def separate(x, w, out, backend, **rope):
+        absorb(x, w, out, backend)
+        return mla_rope_norm(**rope)
+
+    set_pdl(llm, True)
+    ds.absorb_rope_norm = _ONE_TOKEN[0] if on else separate
+    PagedAttention.partials = _ONE_TOKEN[1] if on else (lambda self, q, meta: None)
+
+
+def set_shared_beside(llm: LLM, on: bool) -> None:
+    """Unfolded shared experts on a side stream (the default) or before the routing."""
+    set_pdl(llm, True)
+    for m in llm.engine.model.modules():
+        if isinstance(m, ds.MoE):
+            m.shared_beside = on
+
+
+OPTIONS = {"pdl": set_pdl, "mla_one_token": set_mla_one_token,
+           "shared_beside": set_shared_beside}
+
+
+def variant(llm: LLM, option, on: bool) -> tuple[float, torch.Tensor]:
+    """(median replay ms, logits) of the batch-1 AR step captured with the option on or off."""
+    option(llm, on)
     runner = llm.engine.runner
     bufs = runner.bufs
     # NOTE: the capture's warm-up steps run on these inputs too (their KV goes to the trash
@@ -60,27 +100,29 @@ def variant(llm: LLM, pdl: bool) -> tuple[float, torch.Tensor]:
     return ms, logits
 
 
-def target_ab(name: str, llm: LLM, floor: float, bw: float) -> dict:
+def target_ab(name: str, llm: LLM, floor: float, bw: float, ab: str) -> dict:
     res: dict = {"bytes_floor_ms": floor / bw * 1e3, "variants": []}
     first = None
-    for pdl in (False, True):
+    for on in (False, True, False, True):  # twice each, alternating: drift shows
         try:
-            ms, logits = variant(llm, pdl)
+            ms, logits = variant(llm, OPTIONS[ab], on)
         except Exception as exc:  # noqa: BLE001 - recorded, the other variant still runs
-            res["variants"].append({"pdl": pdl, "error": repr(exc)})
-            print(f"{name} pdl={pdl}: FAILED {exc!r}", flush=True)
+            res["variants"].append({ab: on, "error": repr(exc)})
+            print(f"{name} {ab}={on}: FAILED {exc!r}", flush=True)
             continue
         first = logits if first is None else first
-        row = {"pdl": pdl, "replay_ms": ms, "floor_ratio": ms / res["bytes_floor_ms"],
-               "logits_equal_first": bool(torch.equal(logits, first))}
+        diff = (logits.float() - first.float()).abs().max().item()
+        row = {ab: on, "replay_ms": ms, "floor_ratio": ms / res["bytes_floor_ms"],
+               "logits_equal_first": bool(torch.equal(logits, first)),
+               "logits_max_abs_diff_first": diff}
         res["variants"].append(row)
-        print(f"{name} pdl={pdl}: replay {ms:.3f} ms ({row['floor_ratio']:.2f}x floor "
-              f"{res['bytes_floor_ms']:.3f} ms), logits equal {row['logits_equal_first']}",
-              flush=True)
+        print(f"{name} {ab}={on}: replay {ms:.3f} ms ({row['floor_ratio']:.2f}x floor "
+              f"{res['bytes_floor_ms']:.3f} ms), logits equal {row['logits_equal_first']} "
+              f"(max diff {diff:.3g})", flush=True)
     return res
 
 
-def moe_target(root: Path, name: str, shape: dict, bw: float) -> dict:
+def moe_target(root: Path, name: str, shape: dict, bw: float, ab: str) -> dict:
     target, _ = write_moe_folders(root, name, shape)
     llm = LLM(str(target), device="cuda", dtype="bfloat16", load_format="dummy",
               max_model_len=2048, kv_cache_memory_gb=4, max_num_seqs=1,
@@ -88,7 +130,7 @@ def moe_target(root: Path, name: str, shape: dict, bw: float) -> dict:
     mc = llm.engine.model_config
     parts = expert_bytes(llm.engine.model)
     floor = step_floor_bytes(parts, mc.moe.num_experts_per_tok, CTX, mc)
-    res = target_ab(name, llm, floor, bw)
+    res = target_ab(name, llm, floor, bw, ab)
     del llm
     free()
     return res
@@ -97,6 +139,7 @@ def moe_target(root: Path, name: str, shape: dict, bw: float) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
+    ap.add_argument("--ab", choices=sorted(OPTIONS), default="pdl")
     ap.add_argument("--qwen3", action="store_true", help="also the dense Qwen3-8B shape")
     ap.add_argument("--skip", default="", help="moonlight,kimi_int4")
     args = ap.parse_args()
@@ -109,24 +152,24 @@ def main() -> int:
     res: dict = {"command": recorded_command("benchmarks/step_ab.py"), "commit": git_commit(),
                  "device": torch.cuda.get_device_name(), "torch": torch.__version__,
                  "date": datetime.date.today().isoformat(), "copy_bandwidth_Bps": bw,
-                 "context": CTX}
+                 "context": CTX, "ab": args.ab}
 
     def save() -> None:
         out.write_text(json.dumps(res, indent=2) + "\n")
 
     if "moonlight" not in skip:
-        res["moonlight"] = moe_target(root, "moonlight", MOONLIGHT, bw)
+        res["moonlight"] = moe_target(root, "moonlight", MOONLIGHT, bw, args.ab)
         save()
     if "kimi_int4" not in skip:
         shape = {**kimi_slice(6), "quantization_config": KIMI_INT4}
-        res["kimi_int4"] = moe_target(root, "kimi-int4", shape, bw)
+        res["kimi_int4"] = moe_target(root, "kimi-int4", shape, bw, args.ab)
         save()
     if args.qwen3:
         from blockspec.bench.fullsize import make_llm, write_folders
 
         target, _ = write_folders(root)
         llm = make_llm(target, None, max_num_seqs=1, kv_cache_memory_gb=4)
-        res["qwen3_8b"] = target_ab("qwen3_8b", llm, floor_bytes(llm, CTX), bw)
+        res["qwen3_8b"] = target_ab("qwen3_8b", llm, floor_bytes(llm, CTX), bw, args.ab)
         save()
     os.environ.pop("BLOCKSPEC_PDL")
     return 0

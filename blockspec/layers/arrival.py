@@ -18,7 +18,7 @@ def arrival_locks(device: torch.device, count: int) -> torch.Tensor | None:
 
     NOTE: one stream per device runs these kernels (the engine's step stream), each touching
     its counters only after pdl_sync, so launches never overlap on them; two concurrent
-    streams would share counters."""
+    streams would share counters (side_stream.py's work beside launches none)."""
     locks = _LOCKS.get(device)
     if locks is None or locks.numel() < count:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():

@@ -23,6 +23,7 @@ import triton.language as tl
 from blockspec.layers.fused import silu_and_mul
 from blockspec.layers.moe import count_experts
 from blockspec.layers.moe_decode import decode_experts, takes_decode_path
+from blockspec.layers.side_stream import resolve
 
 BLOCK_M = 16  # slots per tile: a decode step's few tokens per expert waste little of it
 
@@ -194,7 +195,7 @@ def run_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, num_e
     # GPU. The sum over a token's picks accumulates in fp32 and rounds once.
     y = gemm(silu_and_mul(h), 1, slots, False, weights.reshape(-1).float().contiguous())
     out = y.view(t, top_k, -1).sum(dim=1)
-    return out if residual is None else out + residual
+    return out if residual is None else out + resolve(residual)
 
 
 def _grouped(a: torch.Tensor, w: torch.Tensor, slots: Slots, per_token: bool,

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from blockspec.layers.linear import router_logits
+from blockspec.layers.side_stream import resolve
 
 
 def select_experts_reference(router_logits: torch.Tensor,
@@ -83,7 +84,7 @@ def experts_reference(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
         gate, up = F.linear(x[rows], gate_up[expert]).chunk(2, dim=-1)
         y = F.linear(F.silu(gate) * up, down[expert])
         out.index_add_(0, rows, (y * weights[rows, slot, None]).float())
-    return out.to(x.dtype) if residual is None else out.to(x.dtype) + residual
+    return out.to(x.dtype) if residual is None else out.to(x.dtype) + resolve(residual)
 
 
 def count_experts(ids: torch.Tensor, num_experts: int, stats: torch.Tensor) -> None:

@@ -42,6 +42,7 @@ from blockspec.layers.int4_bits import (
 from blockspec.layers.moe_down import _down_split_kernel, _down_sum_kernel
 from blockspec.layers.pdl import pdl_args, pdl_sync
 from blockspec.layers.quant_dequant import QuantWeight
+from blockspec.layers.side_stream import resolve
 
 DENSE, INT4, FP8 = 0, 1, 2
 DEFAULT_DEQUANT = "subnormal"  # int4's unpacking (_magic); other formats ignore it
@@ -272,6 +273,9 @@ def decode_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
         GROUP_K=gu.group[1], MAGIC=magic_gu, BLOCK_N=tg.block_n, BLOCK_K=_block_k(tg, gu),
         EVEN=_even(gu, magic_gu, inter, tg), num_warps=tg.num_warps, enable_fp_fusion=True,
         **pdl_args(x.device))
+    # NOTE: a Pending residual (shared experts beside, layers/side_stream.py) joins here, so
+    # it ran beside the routing, the inputs' scaling and the gate_up launch
+    residual = resolve(residual)
     res = residual if residual is not None else out
     _down(act, flat_ids, weights.reshape(-1).contiguous(), dn, s_dn, res, out, parts,
           residual is not None, td, magic_dn)

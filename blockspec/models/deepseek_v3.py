@@ -28,6 +28,7 @@ from blockspec.layers.moe import count_experts, experts_reference, route_tokens
 from blockspec.layers.moe_decode import folds_shared
 from blockspec.layers.norm import RMSNorm
 from blockspec.layers.rotary import RotaryEmbedding, yarn_mscale
+from blockspec.layers.side_stream import resolve, run_beside
 from blockspec.models.mla_rope_rows import permute_rope_rows, permutes_rope_at_load
 from blockspec.models.qwen3 import MLP, CausalLM, DecoderModel
 
@@ -196,27 +197,38 @@ class MoE(nn.Module):
             if cfg.moe.n_shared_experts else None
         # "torch" (experts_reference) or "triton" (the grouped GEMMs); the engine sets it.
         self.experts_backend = "torch"
+        # NOTE: unfolded shared experts on a CUDA side stream with the Triton experts
+        # (layers/side_stream.py); benchmarks/step_ab.py turns it off for its A/B.
+        self.shared_beside = True
         # [distinct experts the forwards' tokens selected, forwards], summed on the device (no
         # host sync; a graph captures the adds) and read by the engine after a step.
         self.register_buffer("expert_counts", torch.zeros(2, dtype=torch.int64),
                              persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fold = self.shared_fold(x.shape[0] * self.moe.num_experts_per_tok)
+        shared = None
+        if fold is None and self.shared_experts is not None:
+            # NOTE: beside the routing and the routed gate_up (layers/side_stream.py), joined
+            # by the routed down projection, which adds it (one launch fewer), in x's dtype as
+            # `routed + shared` rounds.
+            shared = run_beside(self.shared_experts, x) \
+                if self.shared_beside and self.experts_backend == "triton" \
+                else self.shared_experts(x)
         weights, ids = route_tokens(x, self.gate.weight, self.gate.e_score_correction_bias,
                                     self.moe, self.experts_backend)
-        fold = self.shared_fold(ids)
         if fold is not None:
             return self.experts(x, weights, ids, self.experts_backend, self.expert_counts,
                                 shared=fold)
-        # NOTE: the shared experts' output is added by the routed experts' kernel (one launch
-        # fewer), in x's dtype as `routed + shared` rounds.
-        shared = self.shared_experts(x) if self.shared_experts is not None else None
-        return self.experts(x, weights, ids, self.experts_backend, self.expert_counts, shared)
+        out = self.experts(x, weights, ids, self.experts_backend, self.expert_counts, shared)
+        resolve(shared)  # NOTE: joined already where the experts added it; a no-op then
+        return out
 
-    def shared_fold(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def shared_fold(self, num_slots: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The shared experts' (gate_up, down) weights where the routed experts' decode kernels
-        compute them too (moe_decode.folds_shared: a decode step's few slots, dense experts,
-        one GPU's whole MLP); else None (the MLP runs its own launches)."""
+        compute them too at `num_slots` routed slots (moe_decode.folds_shared: a decode step's
+        few slots, dense experts, one GPU's whole MLP); else None (the MLP runs its own
+        launches)."""
         mlp = self.shared_experts
         if mlp is None or self.experts_backend != "triton" or type(self.experts) is not Experts \
                 or type(mlp) is not MLP:
@@ -225,7 +237,7 @@ class MoE(nn.Module):
         if type(gu) is not Linear or type(dn) is not Linear or gu.bias is not None \
                 or dn.bias is not None:
             return None
-        if not folds_shared(ids.numel(), self.experts.gate_up_proj, gu.weight):
+        if not folds_shared(num_slots, self.experts.gate_up_proj, gu.weight):
             return None
         return gu.weight, dn.weight
 
