@@ -1,9 +1,9 @@
 """A/B of a launch option on the batch-1 decode step, one GPU, one run (issues 21 and 23):
 programmatic dependent launch (`--ab pdl`, layers/pdl.py), MLA's one-token launches
 (`--ab mla_one_token`, layers/mla_one_token.py: the W_UK absorb with the rope / latent norm,
-the W_UV absorb with the split-KV merge, against the separate launches) or unfolded shared
-experts on a side stream (`--ab shared_beside`, layers/side_stream.py; the Kimi slice's int4
-layers) against before the routing.
+the W_UV absorb with the split-KV merge, against the separate launches) or the shared
+experts on a side stream (`--ab shared_beside`, layers/side_stream.py) against folded into
+the routed launches (Moonlight's bf16 experts) or before the routing (the Kimi slice's int4).
 
 For each target (random weights, `load_format=dummy`): Moonlight-16B-A3B's shape, the
 Kimi-K2.6-width slice with INT4 experts (benchmarks/moe_bench.py's) and optionally the dense
@@ -12,7 +12,8 @@ again into a CUDA graph with the option off and on (read at capture). Each: medi
 of 50 (after 5, gpu_timing.replay_ms), its ratio to the step's bytes floor at the measured copy
 bandwidth, and whether its logits equal the first capture's bit for bit (PDL changes no
 arithmetic, so a difference is a race; the one-token launches keep the separate launches'
-arithmetic but for the merge's fused multiply-add; the side stream changes only the order).
+arithmetic but for the merge's fused multiply-add; the side stream changes only the order of
+unfolded shared experts, while folded ones round differently).
 
 Usage: python benchmarks/step_ab.py --out FILE.json [--ab pdl|mla_one_token|shared_beside]
        [--qwen3] [--skip moonlight,kimi_int4]
@@ -70,7 +71,8 @@ def set_mla_one_token(llm: LLM, on: bool) -> None:
 
 
 def set_shared_beside(llm: LLM, on: bool) -> None:
-    """Unfolded shared experts on a side stream (the default) or before the routing."""
+    """Shared experts on a side stream (the default) or, off, folded into the routed decode
+    launches where they can be (bf16: Moonlight), else before the routing (int4: Kimi)."""
     set_pdl(llm, True)
     for m in llm.engine.model.modules():
         if isinstance(m, ds.MoE):

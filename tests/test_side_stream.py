@@ -55,13 +55,14 @@ def test_moe_runs_unfolded_shared_experts_beside_and_joins(monkeypatch, tmp_path
     monkeypatch.setattr(moe.experts, "forward", lambda x, w, ids, backend, stats, res=None:
                         torch.zeros_like(x))  # never resolves its residual
     moe.experts_backend = "triton"
-    moe.shared_fold = lambda num_slots: None
+    assert not moe.runs_shared_beside(x)  # a CPU tensor
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+    assert moe.runs_shared_beside(x)
+    monkeypatch.setattr(moe, "shared_fold", lambda num_slots: 1 / 0)  # never asked
     moe(x)
     assert started == [moe.shared_experts] and main.waited == [side]
     moe.shared_beside, started[:] = False, []
-    moe(x)
-    assert started == []
-    del moe.shared_fold
-    moe.experts_backend, moe.shared_beside = "torch", True
+    assert not moe.runs_shared_beside(x)
     monkeypatch.undo()
+    moe.experts_backend, moe.shared_beside = "torch", True
     torch.testing.assert_close(moe(x), want)

@@ -197,8 +197,9 @@ class MoE(nn.Module):
             if cfg.moe.n_shared_experts else None
         # "torch" (experts_reference) or "triton" (the grouped GEMMs); the engine sets it.
         self.experts_backend = "torch"
-        # NOTE: unfolded shared experts on a CUDA side stream with the Triton experts
-        # (layers/side_stream.py); benchmarks/step_ab.py turns it off for its A/B.
+        # NOTE: shared experts on a CUDA side stream with the Triton experts, unfolded
+        # (runs_shared_beside); off, they fold into the routed launches where they can;
+        # benchmarks/step_ab.py turns it off for its A/B.
         self.shared_beside = True
         # [distinct experts the forwards' tokens selected, forwards], summed on the device (no
         # host sync; a graph captures the adds) and read by the engine after a step.
@@ -206,15 +207,14 @@ class MoE(nn.Module):
                              persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        fold = self.shared_fold(x.shape[0] * self.moe.num_experts_per_tok)
+        beside = self.runs_shared_beside(x)
+        fold = None if beside else self.shared_fold(x.shape[0] * self.moe.num_experts_per_tok)
         shared = None
         if fold is None and self.shared_experts is not None:
             # NOTE: beside the routing and the routed gate_up (layers/side_stream.py), joined
             # by the routed down projection, which adds it (one launch fewer), in x's dtype as
             # `routed + shared` rounds.
-            shared = run_beside(self.shared_experts, x) \
-                if self.shared_beside and self.experts_backend == "triton" \
-                else self.shared_experts(x)
+            shared = run_beside(self.shared_experts, x) if beside else self.shared_experts(x)
         weights, ids = route_tokens(x, self.gate.weight, self.gate.e_score_correction_bias,
                                     self.moe, self.experts_backend)
         if fold is not None:
@@ -223,6 +223,13 @@ class MoE(nn.Module):
         out = self.experts(x, weights, ids, self.experts_backend, self.expert_counts, shared)
         resolve(shared)  # NOTE: joined already where the experts added it; a no-op then
         return out
+
+    def runs_shared_beside(self, x: torch.Tensor) -> bool:
+        """Whether the shared experts run on a side stream (CUDA, the Triton experts): beside
+        the routing and the routed gate_up they cost less than folded into the routed launches
+        (Moonlight's batch-1 step on an H200: 2.054 against 2.163 ms, docs/benchmarks.md)."""
+        return self.shared_experts is not None and self.shared_beside and x.is_cuda \
+            and self.experts_backend == "triton"
 
     def shared_fold(self, num_slots: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The shared experts' (gate_up, down) weights where the routed experts' decode kernels
