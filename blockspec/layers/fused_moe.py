@@ -23,7 +23,7 @@ import triton.language as tl
 from blockspec.layers.fused import silu_and_mul
 from blockspec.layers.moe import count_experts
 from blockspec.layers.moe_decode import decode_experts, takes_decode_path
-from blockspec.layers.side_stream import resolve
+from blockspec.layers.side_stream import Residual, resolve
 
 BLOCK_M = 16  # slots per tile: a decode step's few tokens per expert waste little of it
 
@@ -184,7 +184,7 @@ GroupedGemm = Callable[[torch.Tensor, int, Slots, bool, "torch.Tensor | None"], 
 
 def run_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, num_experts: int,
                 gemm: GroupedGemm, stats: torch.Tensor | None = None,
-                residual: torch.Tensor | None = None) -> torch.Tensor:
+                residual: Residual = None) -> torch.Tensor:
     """The routed experts around two grouped GEMMs (bf16 here, quantized in quant_gemm.py):
     x [T, H], weights / ids [T, k] -> [T, H] (+ residual, in x's dtype); `stats` as in
     align_slots."""
@@ -219,7 +219,7 @@ def _grouped(a: torch.Tensor, w: torch.Tensor, slots: Slots, per_token: bool,
 def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                     gate_up: torch.Tensor, down: torch.Tensor,
                     stats: torch.Tensor | None = None,
-                    residual: torch.Tensor | None = None) -> torch.Tensor:
+                    residual: Residual = None) -> torch.Tensor:
     """experts_reference's result (+ residual) through the grouped GEMMs, at any number of
     slots."""
     layers = (gate_up, down)
@@ -231,7 +231,7 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
 def fused_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                   gate_up: torch.Tensor, down: torch.Tensor,
                   stats: torch.Tensor | None = None,
-                  residual: torch.Tensor | None = None,
+                  residual: Residual = None,
                   shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """experts_reference's result (+ residual, in x's dtype): for a decode step's few slots the
     GEMV kernels (moe_decode.py), else the grouped GEMMs. x [T, H], weights / ids [T, k],

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from blockspec.layers.linear import router_logits
-from blockspec.layers.side_stream import resolve
+from blockspec.layers.side_stream import Residual, resolve
 
 
 def select_experts_reference(router_logits: torch.Tensor,
@@ -75,7 +75,7 @@ def select_experts_softmax(router_logits: torch.Tensor, top_k: int, n_group: int
 
 def experts_reference(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                       gate_up: torch.Tensor, down: torch.Tensor,
-                      residual: torch.Tensor | None = None) -> torch.Tensor:
+                      residual: Residual = None) -> torch.Tensor:
     """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) (+ residual, in x's dtype), each expert
     a SiLU-gated MLP: gate_up [E, 2I, H] (gate rows first), down [E, H, I]. x [T, H] -> [T, H]."""
     out = torch.zeros_like(x, dtype=torch.float32)

@@ -42,7 +42,7 @@ from blockspec.layers.int4_bits import (
 from blockspec.layers.moe_down import _down_split_kernel, _down_sum_kernel
 from blockspec.layers.pdl import pdl_args, pdl_sync
 from blockspec.layers.quant_dequant import QuantWeight
-from blockspec.layers.side_stream import resolve
+from blockspec.layers.side_stream import Residual, resolve
 
 DENSE, INT4, FP8 = 0, 1, 2
 DEFAULT_DEQUANT = "subnormal"  # int4's unpacking (_magic); other formats ignore it
@@ -229,7 +229,7 @@ def _block_k(tiles: GemvTiles, w: _Weight) -> int:
 
 def decode_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                    gate_up: torch.Tensor | QuantWeight, down: torch.Tensor | QuantWeight,
-                   stats: torch.Tensor | None = None, residual: torch.Tensor | None = None,
+                   stats: torch.Tensor | None = None, residual: Residual = None,
                    tiles: dict[str, GemvTiles] | None = None, dequant: str = DEFAULT_DEQUANT,
                    shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """experts_reference's result (+ residual) for a few slots: x [T, H] (rows contiguous),

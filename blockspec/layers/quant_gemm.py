@@ -32,6 +32,7 @@ from blockspec.layers.fused_moe import BLOCK_M, Slots, run_experts, tile_slots
 from blockspec.layers.int4_bits import MAGIC16, _nibble
 from blockspec.layers.moe_decode import decode_experts, takes_decode_path
 from blockspec.layers.quant_dequant import QuantWeight
+from blockspec.layers.side_stream import Residual
 
 FORMATS = {"int4": 0, "fp8": 1}
 DENSE_BLOCK_M = 64  # rows per tile for dense layers past a decode step's few rows
@@ -237,7 +238,7 @@ def quant_grouped(a: torch.Tensor, w: QuantWeight, slots: Slots, per_token: bool
 def fused_experts_quant(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                         gate_up: QuantWeight, down: QuantWeight,
                         stats: torch.Tensor | None = None, tiles: Tiles | None = None,
-                        residual: torch.Tensor | None = None) -> torch.Tensor:
+                        residual: Residual = None) -> torch.Tensor:
     """experts_reference over the dequantized experts (+ residual), as two quantized grouped
     GEMMs, or for a decode step's few slots the GEMV kernels (moe_decode.py): x [T, H],
     weights / ids [T, k], gate_up [E, 2I, H], down [E, H, I] -> [T, H]; `stats` as in

@@ -43,7 +43,11 @@ class Pending:
         return self.value
 
 
-def resolve(value: torch.Tensor | Pending | None) -> torch.Tensor | None:
+# A residual the routed experts add: a tensor, one still being computed beside, or none.
+Residual = torch.Tensor | Pending | None
+
+
+def resolve(value: Residual) -> torch.Tensor | None:
     """The tensor itself, or a Pending's once joined."""
     return value.wait() if isinstance(value, Pending) else value
 

@@ -28,7 +28,7 @@ from blockspec.layers.moe import count_experts, experts_reference, route_tokens
 from blockspec.layers.moe_decode import folds_shared
 from blockspec.layers.norm import RMSNorm
 from blockspec.layers.rotary import RotaryEmbedding, yarn_mscale
-from blockspec.layers.side_stream import resolve, run_beside
+from blockspec.layers.side_stream import Residual, resolve, run_beside
 from blockspec.models.mla_rope_rows import permute_rope_rows, permutes_rope_at_load
 from blockspec.models.qwen3 import MLP, CausalLM, DecoderModel
 
@@ -173,7 +173,7 @@ class Experts(nn.Module):
                                                   moe.moe_intermediate_size))
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                backend: str, stats: torch.Tensor, residual: torch.Tensor | None = None,
+                backend: str, stats: torch.Tensor, residual: Residual = None,
                 shared: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) (+ residual, in x's dtype): the
         Triton kernels ("triton") or the torch reference; (distinct experts selected, 1) added

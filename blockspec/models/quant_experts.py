@@ -20,6 +20,7 @@ from blockspec.layers.moe import count_experts, experts_reference
 from blockspec.layers.quant_dequant import INT4_PER_WORD, DequantizedExperts, QuantWeight
 from blockspec.layers.quant_gemm import fused_experts_quant
 from blockspec.layers.quant_linear import int4_group, kernel_ok
+from blockspec.layers.side_stream import Residual
 
 
 def _param(*shape: int, dtype: torch.dtype) -> nn.Parameter:
@@ -32,7 +33,7 @@ class QuantExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                 backend: str, stats: torch.Tensor,
-                residual: torch.Tensor | None = None) -> torch.Tensor:
+                residual: Residual = None) -> torch.Tensor:
         gate_up, down = self.weights()
         if kernel_ok(x, backend):
             return fused_experts_quant(x, weights, ids, gate_up, down, stats,

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from blockspec.layers.linear import Linear
+from blockspec.layers.side_stream import Residual
 from blockspec.parallel.state import all_gather_last, all_reduce
 
 
@@ -87,7 +88,7 @@ class GroupExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                 backend: str, stats: torch.Tensor,
-                residual: torch.Tensor | None = None) -> torch.Tensor:
+                residual: Residual = None) -> torch.Tensor:
         """Experts.forward's call; `stats` counts the distinct experts of all groups."""
         from blockspec.layers.fused_moe import fused_experts
         from blockspec.layers.moe import count_experts, experts_reference
@@ -115,7 +116,7 @@ class GroupQuantExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                 backend: str, stats: torch.Tensor,
-                residual: torch.Tensor | None = None) -> torch.Tensor:
+                residual: Residual = None) -> torch.Tensor:
         from blockspec.layers.moe import count_experts
 
         count_experts(ids, self.num_experts, stats)
