@@ -28,6 +28,14 @@ _TILE = 4096  # weight values a program holds: BLOCK_N = _TILE / BLOCK_K
 
 
 @_jit
+def _head_weights(w_ptr, h, n, k, N, K, stride_wh, stride_wn, stride_wk):
+    """w[h, n, k] in fp32 [len(n), len(k)] (zeros past N, K): a program's weight tile, which
+    it loads before its PDL wait (no kernel writes weights)."""
+    return tl.load(w_ptr + h * stride_wh + n[:, None] * stride_wn + k[None, :] * stride_wk,
+                   mask=(n < N)[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
+
+
+@_jit
 def _absorb_program(x_ptr, w_ptr, y_ptr, h, n_block, T, N, K, stride_xt, stride_xh, stride_wh,
                     stride_wn, stride_wk, stride_yt, stride_yh, BLOCK_N: tl.constexpr,
                     BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
@@ -35,8 +43,7 @@ def _absorb_program(x_ptr, w_ptr, y_ptr, h, n_block, T, N, K, stride_xt, stride_
     h = h.to(tl.int64)
     n = n_block * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
-    w = tl.load(w_ptr + h * stride_wh + n[:, None] * stride_wn + k[None, :] * stride_wk,
-                mask=(n < N)[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
+    w = _head_weights(w_ptr, h, n, k, N, K, stride_wh, stride_wn, stride_wk)
     pdl_sync(USE_PDL)
     for t in range(T):
         x = tl.load(x_ptr + t * stride_xt + h * stride_xh + k, mask=k < K, other=0.0)

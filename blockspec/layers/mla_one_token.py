@@ -13,8 +13,8 @@ no bytes: the query's absorb into the latent space (q_nope @ W_UK), the rope and
   merge launch wrote them to memory for it to read.
 
 Both take the unfused path's values: the absorbs', rope's and norm's programs are theirs, and
-the merge is the merge kernel's arithmetic (maximum, exp2 weights, weighted sum in split order,
-one division, rounded to the activation dtype) before the same dot.
+the merge is the merge kernel's own (triton_attention_tiles._merge_splits), rounded to the
+activation dtype as its store rounds, before the same dot.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import os
 import torch
 
 from blockspec.layers.fused import _cast, _jit, _want_triton, tl, triton
-from blockspec.layers.mla_absorb import _absorb_program, absorb, absorb_tiles
+from blockspec.layers.mla_absorb import _absorb_program, _head_weights, absorb, absorb_tiles
 from blockspec.layers.mla_fused import (
     _rope_norm_program,
     mla_rope_norm,
@@ -32,6 +32,7 @@ from blockspec.layers.mla_fused import (
     rope_norm_warps,
 )
 from blockspec.layers.pdl import pdl_args, pdl_sync
+from blockspec.layers.triton_attention_tiles import _merge_splits
 
 # NOTE: W_UV output rows an absorb_merge program takes: each program merges its head's partials
 # (S x 512 fp32) once, so fewer, wider programs read fewer of them (4 a head for v_head_dim 128).
@@ -74,25 +75,14 @@ def _absorb_merge_kernel(part_ptr, lse_ptr, w_ptr, y_ptr, N, K, stride_ph, strid
     h = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
-    w = tl.load(w_ptr + h * stride_wh + n[:, None] * stride_wn + k[None, :] * stride_wk,
-                mask=(n < N)[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
+    w = _head_weights(w_ptr, h, n, k, N, K, stride_wh, stride_wn, stride_wk)
     pdl_sync(USE_PDL)
-    lse_row, part_row = lse_ptr + h * stride_lh, part_ptr + h * stride_ph + k
-    # NOTE: the merge kernel's arithmetic (triton_attention_tiles._merge_kernel), a split
-    # without keys weighing 0 (its lse is -inf) and its partial (never written) not loaded.
-    m = tl.full([1], float("-inf"), tl.float32)
-    for s in tl.static_range(NUM_SPLITS):
-        m = tl.maximum(m, tl.load(lse_row + s + tl.zeros([1], tl.int32)))
-    m = tl.where(m == float("-inf"), 0.0, m)
-    denom = tl.zeros([1], tl.float32)
-    acc = tl.zeros([BLOCK_K], tl.float32)
-    for s in tl.static_range(NUM_SPLITS):
-        lse = tl.load(lse_row + s + tl.zeros([1], tl.int32))
-        weight = tl.exp2(lse - m)
-        denom += weight
-        ran = (k < K) & (lse > float("-inf"))
-        acc = tl.fma(weight, tl.load(part_row + s * stride_ps, mask=ran, other=0.0), acc)
-    x = (acc / tl.where(denom == 0.0, 1.0, denom)).to(ACT).to(tl.float32)
+    # NOTE: the merge kernel's own merge (_merge_splits) over one row, all splits read (one
+    # without keys weighs 0, its partial never written nor loaded), rounded as its store does
+    merged = _merge_splits(lse_ptr + h * stride_lh + tl.zeros([1], tl.int32),
+                           (part_ptr + h * stride_ph + k)[None, :], stride_ps,
+                           tl.full([1], 1, tl.int1), NUM_SPLITS, (k < K)[None, :], NUM_SPLITS)
+    x = tl.reshape(merged, [BLOCK_K]).to(ACT).to(tl.float32)
     y = tl.sum(w * x[None, :], 1)
     tl.store(y_ptr + h * stride_yh + n, _cast(y, y_ptr.dtype.element_ty), mask=n < N)
 
@@ -119,11 +109,11 @@ def absorb_rope_norm(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, backen
     assert x.stride(2) == 1 and out.stride(2) == 1
     args, consts = rope_norm_launch(**rope)
     block_n, block_k = absorb_tiles(n, k)
-    latent = rope["norm_weight"].shape[0]
     _absorb_rope_norm_kernel[(h * triton.cdiv(n, block_n) + h + 1,)](
         x, w, out, n, k, x.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(1),
         *args, **consts, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=max(4, rope_norm_warps(latent)), enable_fp_fusion=False, **pdl_args(x.device))
+        num_warps=max(4, rope_norm_warps(consts["LATENT"])), enable_fp_fusion=False,
+        **pdl_args(x.device))
     return True
 
 

@@ -82,6 +82,37 @@ def _key_slots(table, start, hi, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr
 # mid-serving (~1 s each on an H200) for a scalar gather that gains nothing from them.
 
 
+@triton.jit
+def _merge_splits(lse_ptrs, part_ptrs, stride_ps, row_ok, num_active, mask,
+                  NUM_SPLITS: tl.constexpr):
+    """Rows' split-KV partials merged, fp32 [R, D]: sum_s w_s part_s / sum_s w_s with
+    w_s = exp2(lse_s - max lse) over the splits s < num_active of each row in row_ok; lse at
+    lse_ptrs [R] + s, partials at part_ptrs [R, D] + s * stride_ps, `mask` [R, D] the columns.
+
+    NOTE: unrolled over every split, reading only those that ran (masked loads move no bytes):
+    a loop bounded by num_active would serialize the loads' latency. A split with lse -inf
+    weighs 0 and its partial is not loaded (mla_one_token reads splits that never wrote one).
+    The weighted sum is an explicit fma, so every kernel that merges (whatever its launch's
+    fp fusion) rounds alike: mla_one_token's merge equals this kernel's bit for bit."""
+    zero = tl.zeros_like(row_ok).to(tl.int32)  # NOTE: splits as row vectors: masks are tensors
+    m = tl.full(row_ok.shape, float("-inf"), tl.float32)
+    for s in tl.static_range(NUM_SPLITS):
+        ran = row_ok & (zero + s < num_active)
+        m = tl.maximum(m, tl.load(lse_ptrs + s, mask=ran, other=float("-inf")))
+    m = tl.where(m == float("-inf"), 0.0, m)
+    denom = tl.zeros(row_ok.shape, tl.float32)
+    acc = tl.zeros(mask.shape, tl.float32)
+    for s in tl.static_range(NUM_SPLITS):
+        ran = row_ok & (zero + s < num_active)
+        lse = tl.load(lse_ptrs + s, mask=ran, other=float("-inf"))
+        w = tl.exp2(lse - m)
+        denom += w
+        part = tl.load(part_ptrs + s * stride_ps,
+                       mask=mask & (ran & (lse > float("-inf")))[:, None], other=0.0)
+        acc = tl.fma(w[:, None], part, acc)
+    return acc / tl.where(denom == 0.0, 1.0, denom)[:, None]
+
+
 @triton.jit(do_not_specialize=["num_seqs", "q_len_lo", "q_len_hi"])
 def _merge_kernel(part_ptr, lse_ptr, out_ptr, cu_seqlens_q_ptr, seq_lens_ptr, num_seqs,
                   q_len_lo, q_len_hi,
@@ -111,22 +142,6 @@ def _merge_kernel(part_ptr, lse_ptr, out_ptr, cu_seqlens_q_ptr, seq_lens_ptr, nu
     lse_ptrs = lse_ptr + row * stride_lt + head * stride_lh
     part_ptrs = part_ptr + row[:, None] * stride_pt + head[:, None] * stride_ph + d[None, :]
 
-    # NOTE: unrolled over every split, reading only those that ran (masked loads move no
-    # bytes): a loop bounded by num_active would serialize the loads' latency.
-    zero = tl.zeros([BLOCK_M], tl.int32)  # NOTE: splits as row vectors: masks must be tensors
-    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    for s in tl.static_range(NUM_SPLITS):
-        ran = row_ok & (zero + s < num_active)
-        m = tl.maximum(m, tl.load(lse_ptrs + s, mask=ran, other=float("-inf")))
-    m = tl.where(m == float("-inf"), 0.0, m)
-    denom = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, D_BLOCK], tl.float32)
-    for s in tl.static_range(NUM_SPLITS):
-        ran = row_ok & (zero + s < num_active)
-        w = tl.exp2(tl.load(lse_ptrs + s, mask=ran, other=float("-inf")) - m)
-        denom += w
-        acc += w[:, None] * tl.load(part_ptrs + s * stride_ps, mask=mask & ran[:, None],
-                                    other=0.0)
-    out = acc / tl.where(denom == 0.0, 1.0, denom)[:, None]
+    out = _merge_splits(lse_ptrs, part_ptrs, stride_ps, row_ok, num_active, mask, NUM_SPLITS)
     tl.store(out_ptr + row[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=mask)
