@@ -28,9 +28,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+# NOTE: this script's folder is on sys.path when run as a script: quant_gpu_checks' weights
+from quant_gpu_checks import random_weight, rel_err
+
 from blockspec.bench.common import git_commit, recorded_command
 from blockspec.bench.gpu_timing import graph_ms
-from blockspec.layers.quant_dequant import QuantWeight, dequantize
+from blockspec.layers.quant_dequant import dequantize
 from blockspec.layers.quant_gemm import quant_linear
 
 # (name, N, K): DeepSeek-V3's dense MLP gate_up / down, MLA's q_b_proj and o_proj
@@ -38,16 +41,6 @@ SHAPES = (("gate_up", 2 * 18432, 7168), ("down", 7168, 18432), ("q_b", 128 * 192
           ("o_proj", 7168, 128 * 128))
 ROWS = (1, 16, 128, 512, 2048, 8192)
 E4M3_MAX = 448.0
-
-
-def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12)).item()
-
-
-def fp8_weight(n: int, k: int, g: torch.Generator) -> QuantWeight:
-    data = torch.randn(n, k, device="cuda", generator=g).to(torch.float8_e4m3fn)
-    scale = torch.rand(-(-n // 128), -(-k // 128), device="cuda", generator=g) / k**0.5
-    return QuantWeight("fp8", data, scale, (128, 128), k)
 
 
 def row_scaled(dense: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,7 +56,7 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def shape_rows(n: int, k: int, g: torch.Generator) -> list[dict]:
-    w = fp8_weight(n, k, g)
+    w = random_weight("fp8", (n,), k, g)
     dense = dequantize(w).to(torch.bfloat16)
     w8, ws = row_scaled(dense)
     w8t = w8.t()  # column-major [K, N]: what _scaled_mm takes as its second operand

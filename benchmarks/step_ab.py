@@ -45,9 +45,8 @@ from blockspec.bench.moe_shapes import (
     write_moe_folders,
 )
 from blockspec.engine.decode_step import GraphedDecodeStep
+from blockspec.layers import mla_one_token
 from blockspec.layers.attention import PagedAttention
-from blockspec.layers.mla_absorb import absorb
-from blockspec.layers.mla_fused import mla_rope_norm
 
 CTX = INPUT_LEN + 128
 
@@ -56,17 +55,14 @@ def set_pdl(llm: LLM, on: bool) -> None:
     os.environ["BLOCKSPEC_PDL"] = "1" if on else "0"
 
 
-_ONE_TOKEN = (ds.absorb_rope_norm, PagedAttention.partials)
+_ONE_TOKEN = (mla_one_token._one_token_triton, PagedAttention.partials)
 
 
 def set_mla_one_token(llm: LLM, on: bool) -> None:
-    """MLA's one-token launches (the model's default) or, off, the separate launches."""
-    def separate(x, w, out, backend, **rope):
-        absorb(x, w, out, backend)
-        return mla_rope_norm(**rope)
-
+    """MLA's one-token launches (the model's default) or, off, the separate launches (the
+    paths absorb_rope_norm and the model take where no one-token launch applies)."""
     set_pdl(llm, True)
-    ds.absorb_rope_norm = _ONE_TOKEN[0] if on else separate
+    mla_one_token._one_token_triton = _ONE_TOKEN[0] if on else (lambda x, backend: False)
     PagedAttention.partials = _ONE_TOKEN[1] if on else (lambda self, q, meta: None)
 
 
