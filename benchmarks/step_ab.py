@@ -1,5 +1,6 @@
 """A/B of a launch option on the batch-1 decode step, one GPU, one run (issues 21 and 23):
-programmatic dependent launch (`--ab pdl`, layers/pdl.py), MLA's one-token launches
+programmatic dependent launch (`--ab pdl`, layers/pdl.py), each MoE layer's later weights
+asked of L2 beside its attention (`--ab l2_prefetch`: off, lines, bulk), MLA's one-token launches
 (`--ab mla_one_token`, layers/mla_one_token.py: the W_UK absorb with the rope / latent norm,
 the W_UV absorb with the split-KV merge, against the separate launches) or the shared
 experts on a side stream (`--ab shared_beside`, layers/side_stream.py) against folded into
@@ -15,7 +16,8 @@ arithmetic, so a difference is a race; the one-token launches keep the separate 
 arithmetic but for the merge's fused multiply-add; the side stream changes only the order of
 unfolded shared experts, while folded ones round differently).
 
-Usage: python benchmarks/step_ab.py --out FILE.json [--ab pdl|mla_one_token|shared_beside]
+Usage: python benchmarks/step_ab.py --out FILE.json
+       [--ab pdl|mla_one_token|shared_beside|l2_prefetch]
        [--qwen3] [--skip moonlight,kimi_int4]
 """
 
@@ -75,12 +77,21 @@ def set_shared_beside(llm: LLM, on: bool) -> None:
             m.shared_beside = on
 
 
-OPTIONS = {"pdl": set_pdl, "mla_one_token": set_mla_one_token,
-           "shared_beside": set_shared_beside}
+def set_l2_prefetch(llm: LLM, mode: str) -> None:
+    """Each MoE layer's later weights asked of L2 beside its attention (layers/l2_prefetch.py)
+    in `mode` (off, lines, bulk)."""
+    set_pdl(llm, True)
+    os.environ["BLOCKSPEC_L2_PREFETCH"] = mode
 
 
-def variant(llm: LLM, option, on: bool) -> tuple[float, torch.Tensor]:
-    """(median replay ms, logits) of the batch-1 AR step captured with the option on or off."""
+# option: (setter, the values compared, the first the baseline)
+OPTIONS = {"pdl": (set_pdl, (False, True)), "mla_one_token": (set_mla_one_token, (False, True)),
+           "shared_beside": (set_shared_beside, (False, True)),
+           "l2_prefetch": (set_l2_prefetch, ("off", "lines", "bulk"))}
+
+
+def variant(llm: LLM, option, on) -> tuple[float, torch.Tensor]:
+    """(median replay ms, logits) of the batch-1 AR step captured with the option's value."""
     option(llm, on)
     runner = llm.engine.runner
     bufs = runner.bufs
@@ -101,9 +112,10 @@ def variant(llm: LLM, option, on: bool) -> tuple[float, torch.Tensor]:
 def target_ab(name: str, llm: LLM, floor: float, bw: float, ab: str) -> dict:
     res: dict = {"bytes_floor_ms": floor / bw * 1e3, "variants": []}
     first = None
-    for on in (False, True, False, True):  # twice each, alternating: drift shows
+    setter, values = OPTIONS[ab]
+    for on in values * 2:  # twice each, alternating: drift shows
         try:
-            ms, logits = variant(llm, OPTIONS[ab], on)
+            ms, logits = variant(llm, setter, on)
         except Exception as exc:  # noqa: BLE001 - recorded, the other variant still runs
             res["variants"].append({ab: on, "error": repr(exc)})
             print(f"{name} {ab}={on}: FAILED {exc!r}", flush=True)
@@ -170,6 +182,7 @@ def main() -> int:
         res["qwen3_8b"] = target_ab("qwen3_8b", llm, floor_bytes(llm, CTX), bw, args.ab)
         save()
     os.environ.pop("BLOCKSPEC_PDL")
+    os.environ.pop("BLOCKSPEC_L2_PREFETCH", None)
     return 0
 
 

@@ -248,6 +248,14 @@ def main() -> int:
 
     assert "cubin" in compile_sm90(gg._gated_gemv_kernel, dict(BLOCK_N=2, BLOCK_K=1024), dict(
         x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16"))
+    import blockspec.layers.l2_prefetch as lp
+
+    for mode, asm in (("lines", "prefetch.global.L2 "), ("bulk", "cp.async.bulk.prefetch.L2")):
+        unit, each = lp.PIECES[mode]
+        ptx = compile_sm90(lp._l2_prefetch_kernel, dict(UNIT=unit, BULK=mode == "bulk",
+                                                        EACH=each), dict(
+            a0="i64", a1="i64", a2="i64", a3="i64", r0="*i8", r1="*i8", r2="*i8", r3="*i8"))["ptx"]
+        assert asm in ptx, mode  # kept though nothing reads a result (is_pure=False)
     print("compiled")
     return 0
 

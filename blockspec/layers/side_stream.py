@@ -13,6 +13,10 @@ stream's next work waits for the current stream first (`run_beside`), so a freed
 never overwritten while still being read. The input is read on the side stream while the
 current stream holds it until after the join.
 
+NOTE (joins): a step's side work is joined by the result that needs it (`Pending.wait`) or,
+for work without a result (l2_prefetch.py's hints), by `join_beside` before the step's end: a
+graph capture fails on an unjoined stream. A join covers everything queued beside before it.
+
 NOTE (counters): work beside must launch no kernel with arrival counters (arrival.py: the
 router's split GEMV, the opt-in split down projection), whose one buffer a device's kernels
 share one launch at a time; a shared MLP's GEMVs have none.
@@ -25,6 +29,8 @@ from collections.abc import Callable
 import torch
 
 _STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+# Devices with side work not joined yet: whether it was queued inside a graph capture.
+_UNJOINED: dict[torch.device, bool] = {}
 
 
 class Pending:
@@ -39,6 +45,7 @@ class Pending:
     def wait(self) -> torch.Tensor:
         if not self.joined:
             self.main.wait_stream(self.side)
+            _UNJOINED.pop(self.side.device, None)
             self.joined = True
         return self.value
 
@@ -73,4 +80,28 @@ def run_beside(fn: Callable[[torch.Tensor], torch.Tensor],
     side.wait_stream(main)
     with torch.cuda.stream(side):
         value = fn(x)
+    _UNJOINED[side.device] = torch.cuda.is_current_stream_capturing()
     return Pending(value, side, main)
+
+
+def start_beside(fn: Callable[[], None], device: torch.device) -> bool:
+    """fn() on the device's side stream, after everything the current stream has queued, for
+    work without a result (joined by the next join, `join_beside` at the latest); False where
+    no side stream can be had (off CUDA, a capture before the first): nothing ran."""
+    side = _side_stream(device) if device.type == "cuda" else None
+    if side is None:
+        return False
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        fn()
+    _UNJOINED[side.device] = torch.cuda.is_current_stream_capturing()
+    return True
+
+
+def join_beside(device: torch.device) -> None:
+    """Joins the device's side stream into the current one where side work is unjoined. NOTE:
+    work queued outside the running capture (or inside one, when none runs now) is only
+    forgotten: a capture cannot wait on it, and such work (hints) needs no join."""
+    captured = _UNJOINED.pop(device, None)
+    if captured is not None and captured == torch.cuda.is_current_stream_capturing():
+        torch.cuda.current_stream(device).wait_stream(_STREAMS[device])

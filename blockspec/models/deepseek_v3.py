@@ -21,6 +21,7 @@ from blockspec.config import ModelConfig
 from blockspec.layers.attention import AttentionMetadata, PagedAttention
 from blockspec.layers.fused import rms_norm
 from blockspec.layers.fused_moe import fused_experts
+from blockspec.layers.l2_prefetch import prefetch_beside, within_budget
 from blockspec.layers.linear import Linear, linear
 from blockspec.layers.mla_absorb import absorb
 from blockspec.layers.mla_one_token import absorb_merge, absorb_rope_norm
@@ -74,6 +75,10 @@ class MLAttention(nn.Module):
         # NOTE: one latent "KV head"; the runner binds the same tensor as K and V cache.
         self.attn = PagedAttention(self.num_heads, 1, mla.latent_dim, mla_softmax_scale(cfg))
         self.input_weight: torch.Tensor | None = None  # fuse_input_projections'
+        # NOTE: weights read later in the layer, asked of L2 beside the latency-bound kernels
+        # after the input projections (layers/l2_prefetch.py); the model's plan_l2_prefetch
+        # sets them once the weights are loaded.
+        self.l2_prefetch: tuple[torch.Tensor, ...] = ()
 
     def _input_projections(self) -> tuple[nn.Module, nn.Module]:
         """The two projections of the layer's input: (q_proj or q_a_proj, kv_a_proj)."""
@@ -117,6 +122,7 @@ class MLAttention(nn.Module):
         mla, h, t = self.mla, self.num_heads, x.shape[0]
         nope, rank = mla.qk_nope_head_dim, mla.kv_lora_rank
         q, kv = self._project_input(x)
+        prefetch_beside(list(self.l2_prefetch), x)
         q = self._queries(q)
         w_uk, w_uv = self.kv_b_proj.weight.view(h, -1, rank).split([nope, mla.v_head_dim], dim=1)
         # NOTE: the attention query [absorbed q_nope, roped q_pe] and the cache entry [normed
@@ -289,6 +295,26 @@ class DeepseekV3ForCausalLM(CausalLM):
         engine calls it once the weights are loaded and sharded. Returns the layers fused."""
         return sum(m.fuse_input_projections() for m in self.modules()
                    if isinstance(m, MLAttention))  # NOTE: wrapped under tensor parallelism
+
+    def plan_l2_prefetch(self, budget: int) -> int:
+        """Each MoE layer with shared experts asks L2 for its o_proj, router and shared
+        experts' weights beside its attention (MLAttention.l2_prefetch), as many as fit
+        `budget` bytes (l2_prefetch.l2_budget), in that order; the engine calls it once the
+        weights are loaded, sharded and fused. Returns the layers planned."""
+        planned = 0
+        for layer in self.model.layers:
+            mlp = layer.mlp
+            if not isinstance(mlp, MoE) or not isinstance(mlp.shared_experts, MLP):
+                continue
+            shared = mlp.shared_experts
+            weights = [getattr(m, "weight", None) for m in
+                       (layer.self_attn.o_proj, mlp.gate, shared.gate_up_proj, shared.down_proj)]
+            # NOTE: a quantized module's weight is its packed values (its scales are not asked)
+            weights = [w.detach() for w in weights if isinstance(w, torch.Tensor)
+                       and w.is_contiguous() and w.data_ptr() % 16 == 0]
+            layer.self_attn.l2_prefetch = tuple(within_budget(weights, budget))
+            planned += bool(layer.self_attn.l2_prefetch)
+        return planned
 
     def expert_counts(self) -> torch.Tensor:
         """[distinct routed experts selected, MoE layer forwards], summed over every MoE layer

@@ -18,6 +18,7 @@ from blockspec.layers.linear import Linear
 from blockspec.layers.norm import RMSNorm
 from blockspec.layers.qk_norm_rope import qk_norm_rope_store
 from blockspec.layers.rotary import RotaryEmbedding
+from blockspec.layers.side_stream import join_beside
 
 
 class Attention(nn.Module):
@@ -109,11 +110,13 @@ class DecoderModel(nn.Module):
             if i - 1 in hidden_layer_ids:
                 taps[i - 1] = residual
             if i == stop:
+                join_beside(h.device)
                 return None, [taps[j] for j in hidden_layer_ids]
             x = layer.self_attn(positions, x, meta)
             norm = layer.post_attention_layernorm
             x, residual = fused_add_rms_norm(x, residual, norm.weight, norm.eps)
             h = layer.mlp(x)
+        join_beside(h.device)  # NOTE: side work without a result (side_stream.py)
         out, _ = fused_add_rms_norm(h, residual, self.norm.weight, self.norm.eps)
         # NOTE: HF's last hidden_states entry is after the final norm.
         taps[len(self.layers) - 1] = out
