@@ -1,6 +1,6 @@
 """layers/l2_prefetch.py: the L2 hints' coverage (under the interpreter, each piece the kernel
-would ask for is recorded instead), the mode switch, the side-stream joins, and the model's
-plan. The PTX forms compile for sm_90 in test_triton_compile.py; whether they pay is
+would ask for is recorded instead), the mode switch and the model's plan (the side-stream joins:
+test_side_stream.py). The PTX forms compile for sm_90 in test_triton_compile.py; whether they pay is
 measured on a GPU (benchmarks/step_ab.py --ab l2_prefetch)."""
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ import pytest
 import torch
 
 import blockspec.layers.l2_prefetch as lp
-import blockspec.layers.side_stream as ss
 
 
 @pytest.mark.parametrize("mode", ["lines", "bulk"])
@@ -50,41 +49,6 @@ def test_mode_is_off_off_cuda_and_unknown_values_fail(monkeypatch):
     monkeypatch.setenv("BLOCKSPEC_L2_PREFETCH", "lines")
     lp.prefetch_beside([torch.zeros(4)], torch.zeros(1))  # CPU: nothing starts
     assert started == []
-
-
-class FakeStream:
-    def __init__(self, device: torch.device) -> None:
-        self.device, self.waited = device, []
-
-    def wait_stream(self, other) -> None:
-        self.waited.append(other)
-
-
-def test_side_work_without_a_result_is_joined_once_and_only_in_its_own_capture(monkeypatch):
-    dev = torch.device("cuda", 0)
-    side, main = FakeStream(dev), FakeStream(dev)
-    capturing = [False]
-    monkeypatch.setattr(ss, "_STREAMS", {dev: side})
-    monkeypatch.setattr(ss, "_UNJOINED", {})
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: main)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
-    monkeypatch.setattr(torch.cuda, "stream", lambda s: torch.autograd.graph.saved_tensors_hooks(
-        lambda t: t, lambda t: t))  # any context manager
-    ran = []
-    assert ss.start_beside(lambda: ran.append(1), dev) and ran == [1]
-    assert side.waited == [main]  # after what the current stream queued
-    ss.join_beside(dev)
-    ss.join_beside(dev)  # joined already: no second wait
-    assert main.waited == [side]
-    ss.start_beside(lambda: None, dev)  # eager work, then a capture: forgotten, not waited
-    capturing[0] = True
-    ss.join_beside(dev)
-    assert main.waited == [side]
-    ss.start_beside(lambda: None, dev)  # a Pending's join covers earlier side work too
-    ss.Pending(torch.ones(1), side, main).wait()
-    ss.join_beside(dev)
-    assert main.waited == [side, side]
-    assert not ss.start_beside(lambda: 1 / 0, torch.device("cpu"))
 
 
 def test_the_model_plans_each_moe_layers_later_weights(tmp_path):
