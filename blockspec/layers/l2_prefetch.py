@@ -149,11 +149,12 @@ def launch_l2_prefetch(tensors: list[torch.Tensor], mode: str,
     unit, each = PIECES[mode]
     args = _launch_args(tensors)
     recs = list(record or [])
-    recs += [tensors[0]] * (SEGMENTS - len(recs))  # never written: RECORD is off or unused
-    _l2_prefetch_kernel[(_PROGRAMS, SEGMENTS)](
-        *args, *recs,
-        UNIT=unit, BULK=mode == "bulk", EACH=each,
-        RECORD=record is not None, num_warps=4)
+    # NOTE: never written (RECORD off, or a segment without a tensor); int8 as the records,
+    # so one compiled kernel serves every dtype
+    recs += [tensors[0].reshape(-1).view(torch.int8)] * (SEGMENTS - len(recs))
+    _l2_prefetch_kernel[(_PROGRAMS, SEGMENTS)](*args, *recs, UNIT=unit, BULK=mode == "bulk",
+                                               EACH=each, RECORD=record is not None,
+                                               num_warps=4)
 
 
 def prefetch_beside(tensors: list[torch.Tensor], like: torch.Tensor) -> None:
