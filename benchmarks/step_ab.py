@@ -1,6 +1,7 @@
 """A/B of a launch option on the batch-1 decode step, one GPU, one run (issues 21 and 23):
 programmatic dependent launch (`--ab pdl`, layers/pdl.py), each MoE layer's later weights
-asked of L2 beside its attention (`--ab l2_prefetch`: off, lines, bulk), MLA's one-token launches
+asked of L2 beside its attention (`--ab l2_prefetch`: off, lines, bulk, lines+next), MLA's
+one-token launches
 (`--ab mla_one_token`, layers/mla_one_token.py: the W_UK absorb with the rope / latent norm,
 the W_UV absorb with the split-KV merge, against the separate launches) or the shared
 experts on a side stream (`--ab shared_beside`, layers/side_stream.py) against folded into
@@ -79,7 +80,8 @@ def set_shared_beside(llm: LLM, on: bool) -> None:
 
 def set_l2_prefetch(llm: LLM, mode: str) -> None:
     """Each MoE layer's later weights asked of L2 beside its attention (layers/l2_prefetch.py)
-    in `mode` (off, lines, bulk)."""
+    in `mode` (off, lines, bulk; lines+next: also the next layer's input projections after
+    the shared experts)."""
     set_pdl(llm, True)
     os.environ["BLOCKSPEC_L2_PREFETCH"] = mode
 
@@ -87,7 +89,7 @@ def set_l2_prefetch(llm: LLM, mode: str) -> None:
 # option: (setter, the values compared, the first the baseline)
 OPTIONS = {"pdl": (set_pdl, (False, True)), "mla_one_token": (set_mla_one_token, (False, True)),
            "shared_beside": (set_shared_beside, (False, True)),
-           "l2_prefetch": (set_l2_prefetch, ("off", "lines", "bulk"))}
+           "l2_prefetch": (set_l2_prefetch, ("off", "lines", "bulk", "lines+next"))}
 
 
 def variant(llm: LLM, option, on) -> tuple[float, torch.Tensor]:

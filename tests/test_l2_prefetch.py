@@ -44,11 +44,27 @@ def test_mode_is_off_off_cuda_and_unknown_values_fail(monkeypatch):
     monkeypatch.setenv("BLOCKSPEC_L2_PREFETCH", "sometimes")
     with pytest.raises(ValueError, match="BLOCKSPEC_L2_PREFETCH"):
         lp.l2_prefetch_mode(torch.device("cpu"))
-    started = []
+    started, launched = [], []
     monkeypatch.setattr(lp, "start_beside", lambda fn, device: started.append(fn))
-    monkeypatch.setenv("BLOCKSPEC_L2_PREFETCH", "lines")
+    monkeypatch.setattr(lp, "launch_l2_prefetch", lambda ts, form: launched.append(form))
+    monkeypatch.setenv("BLOCKSPEC_L2_PREFETCH", "lines+next")
     lp.prefetch_beside([torch.zeros(4)], torch.zeros(1))  # CPU: nothing starts
-    assert started == []
+    lp.prefetch_next([torch.zeros(4)], torch.zeros(1))
+    assert started == [] and launched == []
+    # on a GPU (faked): beside in the mode's form; the next layer's only under "+next"
+    monkeypatch.setattr(lp, "_sm90", lambda index: True)
+    monkeypatch.setattr(lp, "triton", object())
+    cuda = torch.device("cuda", 0)
+    fake = type("T", (), {"device": cuda})()
+    lp.prefetch_beside([torch.zeros(4)], fake)
+    lp.prefetch_next([torch.zeros(4)], fake)
+    lp.prefetch_next([], fake)
+    assert len(started) == 1 and launched == ["lines"]
+    started[0]()
+    assert launched == ["lines", "lines"]
+    monkeypatch.setenv("BLOCKSPEC_L2_PREFETCH", "bulk")
+    lp.prefetch_next([torch.zeros(4)], fake)
+    assert launched == ["lines", "lines"]
 
 
 def test_the_model_plans_each_moe_layers_later_weights(tmp_path):
@@ -69,6 +85,12 @@ def test_the_model_plans_each_moe_layers_later_weights(tmp_path):
                 mlp.shared_experts.gate_up_proj.weight, mlp.shared_experts.down_proj.weight]
         got = layer.self_attn.l2_prefetch
         assert [t.data_ptr() for t in got] == [t.data_ptr() for t in want]
+    layers = list(model.model.layers)
+    for layer, after in zip(layers, layers[1:] + [None]):
+        if layer in moe_layers:
+            want_next = () if after is None else (after.self_attn.input_weight,)
+            assert [t.data_ptr() for t in layer.mlp.l2_prefetch_next] == \
+                [t.data_ptr() for t in want_next]
     if not model.config.moe.is_moe_layer(0):
         assert model.model.layers[0].self_attn.l2_prefetch == ()
     # within a budget: in order, each that still fits (o_proj and the router, not gate_up)

@@ -88,7 +88,7 @@ def test_moe_runs_unfolded_shared_experts_beside_and_joins(monkeypatch, tmp_path
     assert moe.runs_shared_beside(x)
     monkeypatch.setattr(moe, "shared_fold", lambda num_slots: 1 / 0)  # never asked
     moe(x)
-    assert started == [moe.shared_experts] and main.waited == [side]
+    assert started == [moe._shared_then_next] and main.waited == [side]
     moe.shared_beside, started[:] = False, []
     assert not moe.runs_shared_beside(x)
     monkeypatch.undo()

@@ -11,8 +11,11 @@ routed ones. One kernel on the side stream (layers/side_stream.py: `start_beside
 (`prefetch.global.L2`, one 128-byte line an element: "lines"; or `cp.async.bulk.prefetch.L2`,
 one 16 KB chunk an element: "bulk"), holds no registers for the data and writes nothing.
 
-`BLOCKSPEC_L2_PREFETCH=off|lines|bulk` picks the form (off by default); CUDA sm90+ only (the
-interpreter and CPUs cannot run the PTX). The hint changes no value.
+`BLOCKSPEC_L2_PREFETCH=off|lines|bulk` picks the form (off by default); `lines+next` /
+`bulk+next` also ask for the next layer's input projections once the shared experts are done
+(`prefetch_next`, on the side stream, while the routed experts' down projection reads below
+copy bandwidth). CUDA sm90+ only (the interpreter and CPUs cannot run the PTX). The hint
+changes no value.
 
 NOTE (what keeps it useful): the prefetched bytes must still be in L2 when read, so only a
 layer's own weights read within the same window are asked for, and only as many as fit
@@ -31,7 +34,7 @@ import torch
 from blockspec.layers.fused import _jit, tl, triton
 from blockspec.layers.side_stream import start_beside
 
-MODES = ("off", "lines", "bulk")
+MODES = ("off", "lines", "bulk", "lines+next", "bulk+next")
 LINE_BYTES = 128
 BULK_BYTES = 16384
 # per mode: (bytes a piece, pieces a program asks for at once: 4 lines or 1 chunk a thread)
@@ -163,5 +166,13 @@ def prefetch_beside(tensors: list[torch.Tensor], like: torch.Tensor) -> None:
     stream's next join (side_stream.join_beside at the latest)."""
     if not tensors or l2_prefetch_mode(like.device) == "off":
         return
-    mode = l2_prefetch_mode(like.device)
-    start_beside(lambda: launch_l2_prefetch(tensors, mode), like.device)
+    form = l2_prefetch_mode(like.device).split("+")[0]
+    start_beside(lambda: launch_l2_prefetch(tensors, form), like.device)
+
+
+def prefetch_next(tensors: list[torch.Tensor], like: torch.Tensor) -> None:
+    """Asks L2 for `tensors` (the next layer's weights) on the current stream, where the mode
+    says `+next`; called from work already beside (MoE's shared experts)."""
+    mode = l2_prefetch_mode(like.device) if tensors else "off"
+    if mode.endswith("+next"):
+        launch_l2_prefetch(tensors, mode.split("+")[0])

@@ -21,7 +21,7 @@ from blockspec.config import ModelConfig
 from blockspec.layers.attention import AttentionMetadata, PagedAttention
 from blockspec.layers.fused import rms_norm
 from blockspec.layers.fused_moe import fused_experts
-from blockspec.layers.l2_prefetch import prefetch_beside, within_budget
+from blockspec.layers.l2_prefetch import prefetch_beside, prefetch_next, within_budget
 from blockspec.layers.linear import Linear, linear
 from blockspec.layers.mla_absorb import absorb
 from blockspec.layers.mla_one_token import absorb_merge, absorb_rope_norm
@@ -45,6 +45,13 @@ def mla_softmax_scale(cfg: ModelConfig) -> float:
     if rope.rope_type != "default" and rope.mscale_all_dim:
         scale *= yarn_mscale(rope.factor, rope.mscale_all_dim) ** 2
     return scale
+
+
+def _prefetchable(weights: list) -> list[torch.Tensor]:
+    """The tensors among `weights` that l2_prefetch can ask for (contiguous, 16-byte aligned).
+    NOTE: a quantized module's weight is its packed values (its scales are not asked)."""
+    return [w.detach() for w in weights if isinstance(w, torch.Tensor) and w.is_contiguous()
+            and w.data_ptr() % 16 == 0]
 
 
 class MLAttention(nn.Module):
@@ -207,6 +214,9 @@ class MoE(nn.Module):
         # (runs_shared_beside); off, they fold into the routed launches where they can;
         # benchmarks/step_ab.py turns it off for its A/B.
         self.shared_beside = True
+        # NOTE: the next layer's weights asked of L2 after the shared experts, beside
+        # (layers/l2_prefetch.py, `+next` modes); the model's plan_l2_prefetch sets them.
+        self.l2_prefetch_next: tuple[torch.Tensor, ...] = ()
         # [distinct experts the forwards' tokens selected, forwards], summed on the device (no
         # host sync; a graph captures the adds) and read by the engine after a step.
         self.register_buffer("expert_counts", torch.zeros(2, dtype=torch.int64),
@@ -220,7 +230,7 @@ class MoE(nn.Module):
             # NOTE: beside the routing and the routed gate_up (layers/side_stream.py), joined
             # by the routed down projection, which adds it (one launch fewer), in x's dtype as
             # `routed + shared` rounds.
-            shared = run_beside(self.shared_experts, x) if beside else self.shared_experts(x)
+            shared = run_beside(self._shared_then_next, x) if beside else self.shared_experts(x)
         weights, ids = route_tokens(x, self.gate.weight, self.gate.e_score_correction_bias,
                                     self.moe, self.experts_backend)
         if fold is not None:
@@ -228,6 +238,11 @@ class MoE(nn.Module):
                                 shared=fold)
         out = self.experts(x, weights, ids, self.experts_backend, self.expert_counts, shared)
         resolve(shared)  # NOTE: joined already where the experts added it; a no-op then
+        return out
+
+    def _shared_then_next(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.shared_experts(x)
+        prefetch_next(list(self.l2_prefetch_next), x)
         return out
 
     def runs_shared_beside(self, x: torch.Tensor) -> bool:
@@ -298,21 +313,21 @@ class DeepseekV3ForCausalLM(CausalLM):
 
     def plan_l2_prefetch(self, budget: int) -> int:
         """Each MoE layer with shared experts asks L2 for its o_proj, router and shared
-        experts' weights beside its attention (MLAttention.l2_prefetch), as many as fit
-        `budget` bytes (l2_prefetch.l2_budget), in that order; the engine calls it once the
-        weights are loaded, sharded and fused. Returns the layers planned."""
-        planned = 0
-        for layer in self.model.layers:
+        experts' weights beside its attention (MLAttention.l2_prefetch), and for the next
+        layer's fused input projections after its shared experts (MoE.l2_prefetch_next), as
+        many as fit `budget` bytes (l2_prefetch.l2_budget), in that order; the engine calls it
+        once the weights are loaded, sharded and fused. Returns the layers planned."""
+        planned, layers = 0, list(self.model.layers)
+        for layer, after in zip(layers, layers[1:] + [None]):
             mlp = layer.mlp
             if not isinstance(mlp, MoE) or not isinstance(mlp.shared_experts, MLP):
                 continue
             shared = mlp.shared_experts
             weights = [getattr(m, "weight", None) for m in
                        (layer.self_attn.o_proj, mlp.gate, shared.gate_up_proj, shared.down_proj)]
-            # NOTE: a quantized module's weight is its packed values (its scales are not asked)
-            weights = [w.detach() for w in weights if isinstance(w, torch.Tensor)
-                       and w.is_contiguous() and w.data_ptr() % 16 == 0]
-            layer.self_attn.l2_prefetch = tuple(within_budget(weights, budget))
+            layer.self_attn.l2_prefetch = tuple(within_budget(_prefetchable(weights), budget))
+            following = [after.self_attn.input_weight] if after is not None else []
+            mlp.l2_prefetch_next = tuple(within_budget(_prefetchable(following), budget))
             planned += bool(layer.self_attn.l2_prefetch)
         return planned
 
