@@ -63,7 +63,7 @@ def test_off_cuda_the_work_runs_inline():
 def test_moe_runs_unfolded_shared_experts_beside_and_joins(monkeypatch, tmp_path):
     """MoE.forward hands its shared MLP to run_beside (Triton experts) and joins the result
     itself even where the experts never asked for it."""
-    import blockspec.models.deepseek_v3 as ds
+    import blockspec.models.deepseek_moe as ds
     from blockspec.config import ModelConfig
     from blockspec.models.loader import load_model
     from blockspec.tiny import build_tiny_deepseek_v3

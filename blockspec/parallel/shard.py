@@ -18,7 +18,8 @@ from torch import nn
 from blockspec.config import ConfigError, ModelConfig
 from blockspec.layers.attention import PagedAttention
 from blockspec.layers.linear import Linear
-from blockspec.models.deepseek_v3 import Experts, MLAttention, MoE
+from blockspec.models.deepseek_moe import Experts, MoE
+from blockspec.models.deepseek_v3 import MLAttention
 from blockspec.models.quant_experts import Int4Experts
 from blockspec.models.qwen3 import MLP, Attention
 from blockspec.parallel.layers import (
