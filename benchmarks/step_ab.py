@@ -1,11 +1,12 @@
 """A/B of a launch option on the batch-1 decode step, one GPU, one run (issues 21 and 23):
 programmatic dependent launch (`--ab pdl`, layers/pdl.py), each MoE layer's later weights
-asked of L2 beside its attention (`--ab l2_prefetch`: off, lines, bulk, lines+next), MLA's
-one-token launches
-(`--ab mla_one_token`, layers/mla_one_token.py: the W_UK absorb with the rope / latent norm,
-the W_UV absorb with the split-KV merge, against the separate launches) or the shared
-experts on a side stream (`--ab shared_beside`, layers/side_stream.py) against folded into
-the routed launches (Moonlight's bf16 experts) or before the routing (the Kimi slice's int4).
+asked of L2 beside its attention (`--ab l2_prefetch`: off, lines, bulk, lines+next), the input
+norm folded into the fused input projections (`--ab norm_fold`, layers/norm_gemv.py), MLA's
+one-token launches (`--ab mla_one_token`, layers/mla_one_token.py: the W_UK absorb with the
+rope / latent norm, the W_UV absorb with the split-KV merge, against the separate launches) or
+the shared experts on a side stream (`--ab shared_beside`, layers/side_stream.py) against
+folded into the routed launches (Moonlight's bf16 experts) or before the routing (the Kimi
+slice's int4).
 
 For each target (random weights, `load_format=dummy`): Moonlight-16B-A3B's shape, the
 Kimi-K2.6-width slice with INT4 experts (benchmarks/moe_bench.py's) and optionally the dense
@@ -18,7 +19,7 @@ arithmetic but for the merge's fused multiply-add; the side stream changes only 
 unfolded shared experts, while folded ones round differently).
 
 Usage: python benchmarks/step_ab.py --out FILE.json
-       [--ab pdl|mla_one_token|shared_beside|l2_prefetch]
+       [--ab pdl|mla_one_token|shared_beside|l2_prefetch|norm_fold]
        [--qwen3] [--skip moonlight,kimi_int4]
 """
 
@@ -86,9 +87,19 @@ def set_l2_prefetch(llm: LLM, mode: str) -> None:
     os.environ["BLOCKSPEC_L2_PREFETCH"] = mode
 
 
+def set_norm_fold(llm: LLM, on: bool) -> None:
+    """Each layer's input norm folded into its fused input projections at one token
+    (layers/norm_gemv.py) or, off, its own kernel."""
+    set_pdl(llm, True)
+    for m in llm.engine.model.modules():
+        if isinstance(m, ds.MLAttention):
+            m.fold_input_norm = on
+
+
 # option: (setter, the values compared, the first the baseline)
 OPTIONS = {"pdl": (set_pdl, (False, True)), "mla_one_token": (set_mla_one_token, (False, True)),
            "shared_beside": (set_shared_beside, (False, True)),
+           "norm_fold": (set_norm_fold, (False, True)),
            "l2_prefetch": (set_l2_prefetch, ("off", "lines", "bulk", "lines+next"))}
 
 

@@ -248,6 +248,14 @@ def main() -> int:
 
     assert "cubin" in compile_sm90(gg._gated_gemv_kernel, dict(BLOCK_N=2, BLOCK_K=1024), dict(
         x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16"))
+    import blockspec.layers.norm_gemv as ng
+
+    # Moonlight's input norm + fused q / kv_a projections (3648 x 2048) at linear.gemv's tiles
+    kernel = compile_kernel_sm90(ng._norm_gemv_kernel, dict(
+        HAS_RES=True, ROW_BLOCK=2048, BLOCK_N=2, BLOCK_K=1024, USE_PDL=True), dict(
+        h_ptr="*bf16", res_ptr="*bf16", nw_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16",
+        new_res_ptr="*bf16", eps="fp32"), num_warps=4, num_stages=3, enable_fp_fusion=False)
+    assert "cubin" in kernel.asm and "griddepcontrol.wait" in kernel.asm["ptx"]
     import blockspec.layers.l2_prefetch as lp
 
     for mode, asm in (("lines", "prefetch.global.L2 "), ("bulk", "cp.async.bulk.prefetch.L2")):

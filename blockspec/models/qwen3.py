@@ -16,6 +16,7 @@ from blockspec.layers.fused import fused_add_rms_norm, rms_norm
 from blockspec.layers.gated_gemv import silu_gate_up
 from blockspec.layers.linear import Linear
 from blockspec.layers.norm import RMSNorm
+from blockspec.layers.norm_gemv import NormedInput
 from blockspec.layers.qk_norm_rope import qk_norm_rope_store
 from blockspec.layers.rotary import RotaryEmbedding
 from blockspec.layers.side_stream import join_beside
@@ -103,7 +104,14 @@ class DecoderModel(nn.Module):
         # (h + residual) only exists inside layer i, right after that add.
         for i, layer in enumerate(self.layers):
             norm = layer.input_layernorm
-            if residual is None:
+            folds = getattr(layer.self_attn, "folds_input_norm", None)
+            if i != stop and folds is not None and folds(h, norm.weight):
+                # NOTE: the attention's first projection applies this norm (norm_gemv.py) and
+                # writes the new residual, which only exists once that kernel has run
+                x = NormedInput(h, residual, norm.weight, norm.eps,
+                                h if residual is None else torch.empty_like(h))
+                residual = x.new_residual
+            elif residual is None:
                 x, residual = rms_norm(h, norm.weight, norm.eps), h
             else:
                 x, residual = fused_add_rms_norm(h, residual, norm.weight, norm.eps)
