@@ -226,6 +226,8 @@ class DeepseekV3ForCausalLM(CausalLM):
         many as fit `budget` bytes (l2_prefetch.l2_budget), in that order; the engine calls it
         once the weights are loaded, sharded and fused. Returns the layers planned."""
         planned, layers = 0, list(self.model.layers)
+        if budget <= 0:  # NOTE: off CUDA (l2_budget 0): nothing to plan
+            return 0
         for layer, after in zip(layers, layers[1:] + [None]):
             mlp = layer.mlp
             if not isinstance(mlp, MoE) or not isinstance(mlp.shared_experts, MLP):
@@ -234,7 +236,7 @@ class DeepseekV3ForCausalLM(CausalLM):
             weights = [getattr(m, "weight", None) for m in
                        (layer.self_attn.o_proj, mlp.gate, shared.gate_up_proj, shared.down_proj)]
             layer.self_attn.l2_prefetch = tuple(within_budget(_prefetchable(weights), budget))
-            following = [after.self_attn.input_weight] if after is not None else []
+            following = [] if after is None else [getattr(after.self_attn, "input_weight", None)]
             mlp.l2_prefetch_next = tuple(within_budget(_prefetchable(following), budget))
             planned += bool(layer.self_attn.l2_prefetch)
         return planned
