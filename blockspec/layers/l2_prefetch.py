@@ -4,7 +4,7 @@ kernels leave HBM idle.
 A MoE layer's batch-1 step alternates between kernels that stream weights (the input
 projections, o_proj, the experts) and kernels that read next to nothing and wait on latency
 (the rope / latent norm, attention over a short latent cache, the absorbs, the norms, the
-router, the top-k): ~25 us a Moonlight layer in which HBM is idle. The weights read after that
+router, the top-k): ~20 us a Moonlight layer in which HBM is idle. The weights read after that
 window but known before it (o_proj, the router, the shared experts) can be read into L2 during
 it, so that their kernels read L2 and the shared experts no longer take HBM bandwidth from the
 routed ones. One kernel on the side stream (layers/side_stream.py: `start_beside`) asks for them
