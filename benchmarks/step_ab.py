@@ -1,7 +1,8 @@
 """A/B of a launch option on the batch-1 decode step, one GPU, one run (issues 21 and 23):
 programmatic dependent launch (`--ab pdl`, layers/pdl.py), each MoE layer's later weights
 asked of L2 beside its attention (`--ab l2_prefetch`: off, lines, bulk, lines+next), the input
-norm folded into the fused input projections (`--ab norm_fold`, layers/norm_gemv.py), MLA's
+norm folded into the fused input projections (`--ab norm_fold`, layers/norm_gemv.py), two
+weight tiles loaded before each GEMV's PDL wait (`--ab gemv_preload`), MLA's
 one-token launches (`--ab mla_one_token`, layers/mla_one_token.py: the W_UK absorb with the
 rope / latent norm, the W_UV absorb with the split-KV merge, against the separate launches) or
 the shared experts on a side stream (`--ab shared_beside`, layers/side_stream.py) against
@@ -19,7 +20,7 @@ arithmetic but for the merge's fused multiply-add; the side stream changes only 
 unfolded shared experts, while folded ones round differently).
 
 Usage: python benchmarks/step_ab.py --out FILE.json
-       [--ab pdl|mla_one_token|shared_beside|l2_prefetch|norm_fold]
+       [--ab pdl|mla_one_token|shared_beside|l2_prefetch|norm_fold|gemv_preload[,...]]
        [--qwen3] [--skip moonlight,kimi_int4]
 """
 
@@ -49,7 +50,7 @@ from blockspec.bench.moe_shapes import (
     write_moe_folders,
 )
 from blockspec.engine.decode_step import GraphedDecodeStep
-from blockspec.layers import mla_one_token
+from blockspec.layers import linear, mla_one_token
 from blockspec.layers.attention import PagedAttention
 
 CTX = INPUT_LEN + 128
@@ -96,11 +97,19 @@ def set_norm_fold(llm: LLM, on: bool) -> None:
             m.fold_input_norm = on
 
 
-# option: (setter, the values compared, the first the baseline)
-OPTIONS = {"pdl": (set_pdl, (False, True)), "mla_one_token": (set_mla_one_token, (False, True)),
-           "shared_beside": (set_shared_beside, (False, True)),
-           "norm_fold": (set_norm_fold, (False, True)),
-           "l2_prefetch": (set_l2_prefetch, ("off", "lines", "bulk", "lines+next"))}
+def set_gemv_preload(llm: LLM, tiles: int) -> None:
+    """Weight tiles each GEMV program loads before its PDL wait (linear.GEMV_PRELOAD)."""
+    set_pdl(llm, True)
+    linear.GEMV_PRELOAD = tiles
+
+
+# option: (setter, the values compared (the first the baseline), the engine's default)
+OPTIONS = {"pdl": (set_pdl, (False, True), True),
+           "mla_one_token": (set_mla_one_token, (False, True), True),
+           "shared_beside": (set_shared_beside, (False, True), True),
+           "norm_fold": (set_norm_fold, (False, True), False),
+           "gemv_preload": (set_gemv_preload, (1, 2), 1),
+           "l2_prefetch": (set_l2_prefetch, ("off", "lines", "bulk", "lines+next"), "off")}
 
 
 def variant(llm: LLM, option, on) -> tuple[float, torch.Tensor]:
@@ -122,30 +131,34 @@ def variant(llm: LLM, option, on) -> tuple[float, torch.Tensor]:
     return ms, logits
 
 
-def target_ab(name: str, llm: LLM, floor: float, bw: float, ab: str) -> dict:
+def target_ab(name: str, llm: LLM, floor: float, bw: float, options: list[str]) -> dict:
+    """Each option's values in turn on one engine (the option back at the engine's default
+    after), every row of `variants` keyed by its option."""
     res: dict = {"bytes_floor_ms": floor / bw * 1e3, "variants": []}
-    first = None
-    setter, values = OPTIONS[ab]
-    for on in values * 2:  # twice each, alternating: drift shows
-        try:
-            ms, logits = variant(llm, setter, on)
-        except Exception as exc:  # noqa: BLE001 - recorded, the other variant still runs
-            res["variants"].append({ab: on, "error": repr(exc)})
-            print(f"{name} {ab}={on}: FAILED {exc!r}", flush=True)
-            continue
-        first = logits if first is None else first
-        diff = (logits.float() - first.float()).abs().max().item()
-        row = {ab: on, "replay_ms": ms, "floor_ratio": ms / res["bytes_floor_ms"],
-               "logits_equal_first": bool(torch.equal(logits, first)),
-               "logits_max_abs_diff_first": diff}
-        res["variants"].append(row)
-        print(f"{name} {ab}={on}: replay {ms:.3f} ms ({row['floor_ratio']:.2f}x floor "
-              f"{res['bytes_floor_ms']:.3f} ms), logits equal {row['logits_equal_first']} "
-              f"(max diff {diff:.3g})", flush=True)
+    for ab in options:
+        setter, values, default = OPTIONS[ab]
+        first = None
+        for on in values * 2:  # twice each, alternating: drift shows
+            try:
+                ms, logits = variant(llm, setter, on)
+            except Exception as exc:  # noqa: BLE001 - recorded, the other variant still runs
+                res["variants"].append({ab: on, "error": repr(exc)})
+                print(f"{name} {ab}={on}: FAILED {exc!r}", flush=True)
+                continue
+            first = logits if first is None else first
+            diff = (logits.float() - first.float()).abs().max().item()
+            row = {ab: on, "replay_ms": ms, "floor_ratio": ms / res["bytes_floor_ms"],
+                   "logits_equal_first": bool(torch.equal(logits, first)),
+                   "logits_max_abs_diff_first": diff}
+            res["variants"].append(row)
+            print(f"{name} {ab}={on}: replay {ms:.3f} ms ({row['floor_ratio']:.2f}x floor "
+                  f"{res['bytes_floor_ms']:.3f} ms), logits equal {row['logits_equal_first']} "
+                  f"(max diff {diff:.3g})", flush=True)
+        setter(llm, default)
     return res
 
 
-def moe_target(root: Path, name: str, shape: dict, bw: float, ab: str) -> dict:
+def moe_target(root: Path, name: str, shape: dict, bw: float, options: list[str]) -> dict:
     target, _ = write_moe_folders(root, name, shape)
     llm = LLM(str(target), device="cuda", dtype="bfloat16", load_format="dummy",
               max_model_len=2048, kv_cache_memory_gb=4, max_num_seqs=1,
@@ -153,7 +166,7 @@ def moe_target(root: Path, name: str, shape: dict, bw: float, ab: str) -> dict:
     mc = llm.engine.model_config
     parts = expert_bytes(llm.engine.model)
     floor = step_floor_bytes(parts, mc.moe.num_experts_per_tok, CTX, mc)
-    res = target_ab(name, llm, floor, bw, ab)
+    res = target_ab(name, llm, floor, bw, options)
     del llm
     free()
     return res
@@ -162,11 +175,15 @@ def moe_target(root: Path, name: str, shape: dict, bw: float, ab: str) -> dict:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--ab", choices=sorted(OPTIONS), default="pdl")
+    ap.add_argument("--ab", default="pdl",
+                    help=f"options compared, comma-separated: {', '.join(sorted(OPTIONS))}")
     ap.add_argument("--qwen3", action="store_true", help="also the dense Qwen3-8B shape")
     ap.add_argument("--skip", default="", help="moonlight,kimi_int4")
     args = ap.parse_args()
     skip = set(filter(None, args.skip.split(",")))
+    options = args.ab.split(",")
+    if unknown := [ab for ab in options if ab not in OPTIONS]:
+        ap.error(f"--ab: unknown {', '.join(unknown)}; choose from {', '.join(sorted(OPTIONS))}")
     out, root = Path(args.out), Path(tempfile.mkdtemp())
     # NOTE: the engines start (and capture their own graphs) without PDL; each variant
     # captures its own graph under its options.
@@ -181,18 +198,18 @@ def main() -> int:
         out.write_text(json.dumps(res, indent=2) + "\n")
 
     if "moonlight" not in skip:
-        res["moonlight"] = moe_target(root, "moonlight", MOONLIGHT, bw, args.ab)
+        res["moonlight"] = moe_target(root, "moonlight", MOONLIGHT, bw, options)
         save()
     if "kimi_int4" not in skip:
         shape = {**kimi_slice(6), "quantization_config": KIMI_INT4}
-        res["kimi_int4"] = moe_target(root, "kimi-int4", shape, bw, args.ab)
+        res["kimi_int4"] = moe_target(root, "kimi-int4", shape, bw, options)
         save()
     if args.qwen3:
         from blockspec.bench.fullsize import make_llm, write_folders
 
         target, _ = write_folders(root)
         llm = make_llm(target, None, max_num_seqs=1, kv_cache_memory_gb=4)
-        res["qwen3_8b"] = target_ab("qwen3_8b", llm, floor_bytes(llm, CTX), bw, args.ab)
+        res["qwen3_8b"] = target_ab("qwen3_8b", llm, floor_bytes(llm, CTX), bw, options)
         save()
     os.environ.pop("BLOCKSPEC_PDL")
     os.environ.pop("BLOCKSPEC_L2_PREFETCH", None)

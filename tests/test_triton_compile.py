@@ -248,6 +248,18 @@ def main() -> int:
 
     assert "cubin" in compile_sm90(gg._gated_gemv_kernel, dict(BLOCK_N=2, BLOCK_K=1024), dict(
         x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16"))
+    import blockspec.layers.linear as lin
+
+    # two weight tiles before the PDL wait (linear.GEMV_PRELOAD 2) at Moonlight's o_proj: twice
+    # the loads ahead of it
+    ahead = []
+    for preload in (1, 2):
+        ptx = compile_kernel_sm90(lin._gemv_kernel, dict(
+            BLOCK_N=2, BLOCK_K=1024, USE_PDL=True, PRELOAD=preload), dict(
+            x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16"), num_warps=4, num_stages=3,
+            enable_fp_fusion=False).asm["ptx"]
+        ahead.append(ptx[:ptx.index("griddepcontrol.wait")].count("ld.global"))
+    assert ahead[0] > 0 and ahead[1] == 2 * ahead[0], ahead
     import blockspec.layers.norm_gemv as ng
 
     # Moonlight's input norm + fused q / kv_a projections (3648 x 2048) at linear.gemv's tiles
