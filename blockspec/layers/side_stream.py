@@ -68,34 +68,36 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
     return stream
 
 
+def _beside(fn: Callable[[], object], device: torch.device
+            ) -> tuple[object, torch.cuda.Stream, torch.cuda.Stream] | None:
+    """(fn()'s result, the side stream, the current one), fn run on the device's side stream
+    after everything the current stream has queued and recorded as unjoined; None where no side
+    stream can be had (off CUDA, a capture before the first): nothing ran."""
+    side = _side_stream(device) if device.type == "cuda" else None
+    if side is None:
+        return None
+    main = torch.cuda.current_stream(device)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        value = fn()
+    _UNJOINED[side.device] = torch.cuda.is_current_stream_capturing()
+    return value, side, main
+
+
 def run_beside(fn: Callable[[torch.Tensor], torch.Tensor],
                x: torch.Tensor) -> torch.Tensor | Pending:
     """fn(x) on the device's side stream, after everything the current stream has queued: a
     Pending whose wait() the caller must reach (a graph capture fails on an unjoined stream).
     Off CUDA, fn(x)."""
-    side = _side_stream(x.device) if x.is_cuda else None
-    if side is None:
-        return fn(x)
-    main = torch.cuda.current_stream(x.device)
-    side.wait_stream(main)
-    with torch.cuda.stream(side):
-        value = fn(x)
-    _UNJOINED[side.device] = torch.cuda.is_current_stream_capturing()
-    return Pending(value, side, main)
+    ran = _beside(lambda: fn(x), x.device)
+    return fn(x) if ran is None else Pending(*ran)
 
 
 def start_beside(fn: Callable[[], None], device: torch.device) -> bool:
     """fn() on the device's side stream, after everything the current stream has queued, for
     work without a result (joined by the next join, `join_beside` at the latest); False where
     no side stream can be had (off CUDA, a capture before the first): nothing ran."""
-    side = _side_stream(device) if device.type == "cuda" else None
-    if side is None:
-        return False
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        fn()
-    _UNJOINED[side.device] = torch.cuda.is_current_stream_capturing()
-    return True
+    return _beside(fn, device) is not None
 
 
 def join_beside(device: torch.device) -> None:
