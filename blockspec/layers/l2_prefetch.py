@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Sequence
 
 import torch
 
@@ -51,15 +52,24 @@ def l2_budget(device: torch.device) -> int:
     return int(L2_FRACTION * torch.cuda.get_device_properties(device).L2_cache_size)
 
 
-def within_budget(tensors: list[torch.Tensor], budget: int) -> list[torch.Tensor]:
-    """The tensors, in order, each kept while the kept ones' bytes stay within `budget`."""
+def _askable(t: torch.Tensor) -> bool:
+    """Whether a launch can ask for t: contiguous, 16-byte aligned (the bulk form's rule)."""
+    return t.is_contiguous() and t.data_ptr() % 16 == 0
+
+
+def plan_prefetch(weights: Sequence, budget: int) -> tuple[torch.Tensor, ...]:
+    """The tensors among `weights` (anything else, None, is skipped) a launch can ask for, in
+    order, each kept while the kept ones' bytes stay within `budget`. NOTE: a quantized
+    module's weight is its packed values (its scales are not asked for)."""
     kept, total = [], 0
-    for t in tensors:
+    for t in weights:
+        if not isinstance(t, torch.Tensor) or not _askable(t):
+            continue
         size = t.numel() * t.element_size()
         if total + size <= budget:
-            kept.append(t)
+            kept.append(t.detach())
             total += size
-    return kept
+    return tuple(kept)
 
 
 def l2_prefetch_mode(device: torch.device) -> str:
@@ -130,19 +140,19 @@ def _l2_prefetch_kernel(a0, n0, a1, n1, a2, n2, a3, n3, r0, r1, r2, r3, UNIT: tl
         _span(a3, n3, r3, UNIT, BULK, EACH, RECORD)
 
 
-def _launch_args(tensors: list[torch.Tensor]) -> list[int]:
+def _launch_args(tensors: Sequence[torch.Tensor]) -> list[int]:
     """(address, bytes) of each tensor (whole 16-byte multiples), padded with empty spans."""
     if len(tensors) > SEGMENTS:
         raise ValueError(f"l2_prefetch: at most {SEGMENTS} tensors a launch, got {len(tensors)}")
     args: list[int] = []
     for t in tensors:
-        if not t.is_contiguous() or t.data_ptr() % 16:
+        if not _askable(t):
             raise ValueError("l2_prefetch: tensors must be contiguous and 16-byte aligned")
         args += [t.data_ptr(), t.numel() * t.element_size() // 16 * 16]
     return args + [0, 0] * (SEGMENTS - len(tensors))
 
 
-def launch_l2_prefetch(tensors: list[torch.Tensor], mode: str,
+def launch_l2_prefetch(tensors: Sequence[torch.Tensor], mode: str,
                        record: list[torch.Tensor] | None = None) -> None:
     """One launch asking L2 for `tensors` (up to four) on the current stream. `record` (tests,
     the interpreter): int8 buffers of ceil(bytes / unit) each, set to 1 where a piece would be
@@ -160,17 +170,17 @@ def launch_l2_prefetch(tensors: list[torch.Tensor], mode: str,
                                                num_warps=4)
 
 
-def prefetch_beside(tensors: list[torch.Tensor], like: torch.Tensor) -> None:
+def prefetch_beside(tensors: Sequence[torch.Tensor], like: torch.Tensor) -> None:
     """Asks L2 for `tensors` from the side stream of `like`'s device, after what the current
     stream has queued (a no-op where the mode is off or there are none); joined with the side
     stream's next join (side_stream.join_beside at the latest)."""
-    if not tensors or l2_prefetch_mode(like.device) == "off":
-        return
-    form = l2_prefetch_mode(like.device).split("+")[0]
-    start_beside(lambda: launch_l2_prefetch(tensors, form), like.device)
+    mode = l2_prefetch_mode(like.device) if tensors else "off"
+    if mode != "off":
+        form = mode.split("+")[0]
+        start_beside(lambda: launch_l2_prefetch(tensors, form), like.device)
 
 
-def prefetch_next(tensors: list[torch.Tensor], like: torch.Tensor) -> None:
+def prefetch_next(tensors: Sequence[torch.Tensor], like: torch.Tensor) -> None:
     """Asks L2 for `tensors` (the next layer's weights) on the current stream, where the mode
     says `+next`; called from work already beside (MoE's shared experts)."""
     mode = l2_prefetch_mode(like.device) if tensors else "off"

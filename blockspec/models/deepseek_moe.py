@@ -99,7 +99,7 @@ class MoE(nn.Module):
 
     def _shared_then_next(self, x: torch.Tensor) -> torch.Tensor:
         out = self.shared_experts(x)
-        prefetch_next(list(self.l2_prefetch_next), x)
+        prefetch_next(self.l2_prefetch_next, x)
         return out
 
     def runs_shared_beside(self, x: torch.Tensor) -> bool:

@@ -20,7 +20,7 @@ from torch import nn
 from blockspec.config import ModelConfig
 from blockspec.layers.attention import AttentionMetadata, PagedAttention
 from blockspec.layers.fused import rms_norm
-from blockspec.layers.l2_prefetch import prefetch_beside, within_budget
+from blockspec.layers.l2_prefetch import plan_prefetch, prefetch_beside
 from blockspec.layers.linear import Linear, linear
 from blockspec.layers.mla_absorb import absorb
 from blockspec.layers.mla_one_token import absorb_merge, absorb_rope_norm
@@ -43,13 +43,6 @@ def mla_softmax_scale(cfg: ModelConfig) -> float:
     if rope.rope_type != "default" and rope.mscale_all_dim:
         scale *= yarn_mscale(rope.factor, rope.mscale_all_dim) ** 2
     return scale
-
-
-def _prefetchable(weights: list) -> list[torch.Tensor]:
-    """The tensors among `weights` that l2_prefetch can ask for (contiguous, 16-byte aligned).
-    NOTE: a quantized module's weight is its packed values (its scales are not asked)."""
-    return [w.detach() for w in weights if isinstance(w, torch.Tensor) and w.is_contiguous()
-            and w.data_ptr() % 16 == 0]
 
 
 class MLAttention(nn.Module):
@@ -148,7 +141,7 @@ class MLAttention(nn.Module):
         x = x.h if isinstance(x, NormedInput) else x  # NOTE: its shape, dtype and device
         mla, h, t = self.mla, self.num_heads, x.shape[0]
         nope, rank = mla.qk_nope_head_dim, mla.kv_lora_rank
-        prefetch_beside(list(self.l2_prefetch), x)
+        prefetch_beside(self.l2_prefetch, x)
         q = self._queries(q)
         w_uk, w_uv = self.kv_b_proj.weight.view(h, -1, rank).split([nope, mla.v_head_dim], dim=1)
         # NOTE: the attention query [absorbed q_nope, roped q_pe] and the cache entry [normed
@@ -235,9 +228,9 @@ class DeepseekV3ForCausalLM(CausalLM):
             shared = mlp.shared_experts
             weights = [getattr(m, "weight", None) for m in
                        (layer.self_attn.o_proj, mlp.gate, shared.gate_up_proj, shared.down_proj)]
-            layer.self_attn.l2_prefetch = tuple(within_budget(_prefetchable(weights), budget))
+            layer.self_attn.l2_prefetch = plan_prefetch(weights, budget)
             following = [] if after is None else [getattr(after.self_attn, "input_weight", None)]
-            mlp.l2_prefetch_next = tuple(within_budget(_prefetchable(following), budget))
+            mlp.l2_prefetch_next = plan_prefetch(following, budget)
             planned += bool(layer.self_attn.l2_prefetch)
         return planned
 
