@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from blockspec.layers.fused import _cast, _jit, _residual_sum, _rnd, tl, triton
+from blockspec.layers.fused import _cast, _jit, _norm_value, _residual_sum, _rnd, tl, triton
 from blockspec.layers.linear import _kernel_for, gemv, gemv_config
 from blockspec.layers.pdl import pdl_args, pdl_sync
 
@@ -55,9 +55,9 @@ def folds(h: torch.Tensor, weight: torch.Tensor, w: torch.Tensor, backend: str) 
 def _normed_chunk(h_ptr, res_ptr, nw_ptr, cols, rstd, dtype: tl.constexpr,
                   HAS_RES: tl.constexpr):
     """The normed input at cols (fp32 of dtype values), rounded as fused._norm_store does."""
-    r = _residual_sum(h_ptr, res_ptr, res_ptr, cols, cols >= 0, dtype, HAS_RES, False)
-    nw = tl.load(nw_ptr + cols).to(tl.float32)
-    return _rnd(nw * _rnd(r * rstd, dtype), dtype)
+    ok = cols >= 0
+    r = _residual_sum(h_ptr, res_ptr, res_ptr, cols, ok, dtype, HAS_RES, False)
+    return _rnd(_norm_value(nw_ptr, r, rstd, cols, ok, dtype), dtype)
 
 
 @_jit
