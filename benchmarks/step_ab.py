@@ -1,7 +1,8 @@
 """A/B of a launch option on the batch-1 decode step, one GPU, one run (issues 21 and 23):
 programmatic dependent launch (`--ab pdl`, layers/pdl.py), each MoE layer's later weights
 asked of L2 beside its attention (`--ab l2_prefetch`: off, lines, bulk, lines+next), the input
-norm folded into the fused input projections (`--ab norm_fold`, layers/norm_gemv.py), two
+norm folded into the fused input projections (`--ab norm_fold`, layers/norm_gemv.py), the
+post-attention norm folded into the router (`--ab router_norm`, layers/norm_router.py), two
 weight tiles loaded before each GEMV's PDL wait (`--ab gemv_preload`), MLA's
 one-token launches (`--ab mla_one_token`, layers/mla_one_token.py: the W_UK absorb with the
 rope / latent norm, the W_UV absorb with the split-KV merge, against the separate launches) or
@@ -20,7 +21,8 @@ arithmetic but for the merge's fused multiply-add; the side stream changes only 
 unfolded shared experts, while folded ones round differently).
 
 Usage: python benchmarks/step_ab.py --out FILE.json
-       [--ab pdl|mla_one_token|shared_beside|l2_prefetch|norm_fold|gemv_preload[,...]]
+       [--ab pdl|mla_one_token|shared_beside|l2_prefetch|norm_fold|router_norm|
+               gemv_preload[,...]]
        [--qwen3] [--skip moonlight,kimi_int4]
 """
 
@@ -97,6 +99,15 @@ def set_norm_fold(llm: LLM, on: bool) -> None:
             m.fold_input_norm = on
 
 
+def set_router_norm(llm: LLM, on: bool) -> None:
+    """Each MoE layer's post-attention norm folded into its router at one token
+    (layers/norm_router.py) or, off, its own kernel."""
+    set_pdl(llm, True)
+    for m in llm.engine.model.modules():
+        if isinstance(m, ds.MoE):
+            m.fold_input_norm = on
+
+
 def set_gemv_preload(llm: LLM, tiles: int) -> None:
     """Weight tiles each GEMV program loads before its PDL wait (linear.GEMV_PRELOAD)."""
     set_pdl(llm, True)
@@ -108,6 +119,7 @@ OPTIONS = {"pdl": (set_pdl, (False, True), True),
            "mla_one_token": (set_mla_one_token, (False, True), True),
            "shared_beside": (set_shared_beside, (False, True), True),
            "norm_fold": (set_norm_fold, (False, True), False),
+           "router_norm": (set_router_norm, (False, True), False),
            "gemv_preload": (set_gemv_preload, (1, 2), 1),
            "l2_prefetch": (set_l2_prefetch, ("off", "lines", "bulk", "lines+next"), "off")}
 

@@ -268,6 +268,15 @@ def main() -> int:
         h_ptr="*bf16", res_ptr="*bf16", nw_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16",
         new_res_ptr="*bf16", eps="fp32"), num_warps=4, num_stages=3, enable_fp_fusion=False)
     assert "cubin" in kernel.asm and "griddepcontrol.wait" in kernel.asm["ptx"]
+    import blockspec.layers.norm_router as nr
+
+    # Moonlight's post-attention norm + router (64 x 2048 fp32, 4 splits of 512)
+    kernel = compile_kernel_sm90(nr._norm_split_gemv_kernel, dict(
+        HAS_RES=True, ROW_BLOCK=2048, BLOCK_N=2, BLOCK_K=512, USE_PDL=True), dict(
+        h_ptr="*bf16", res_ptr="*bf16", nw_ptr="*bf16", w_ptr="*fp32", y_ptr="*fp32",
+        x_ptr="*bf16", new_res_ptr="*bf16", part_ptr="*fp32", lock_ptr="*i32", eps="fp32"),
+        num_warps=4, enable_fp_fusion=False)
+    assert "cubin" in kernel.asm and "griddepcontrol.wait" in kernel.asm["ptx"]
     import blockspec.layers.l2_prefetch as lp
 
     for mode, asm in (("lines", "prefetch.global.L2 "), ("bulk", "cp.async.bulk.prefetch.L2")):

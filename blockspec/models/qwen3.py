@@ -78,6 +78,21 @@ class DecoderLayer(nn.Module):
     # each RMSNorm.
 
 
+def _normed(reader: nn.Module | None, h: torch.Tensor, residual: torch.Tensor | None,
+            norm: RMSNorm) -> tuple[torch.Tensor | NormedInput, torch.Tensor]:
+    """(norm(h + residual), h + residual) for `reader`, or where its `folds_input_norm` says so
+    a NormedInput that its first kernel normalises (norm_gemv.py, norm_router.py), which also
+    writes the new residual: that tensor only holds it once the reader has run."""
+    folds = getattr(reader, "folds_input_norm", None)
+    if folds is not None and folds(h, norm.weight):
+        x = NormedInput(h, residual, norm.weight, norm.eps,
+                        h if residual is None else torch.empty_like(h))
+        return x, x.new_residual
+    if residual is None:
+        return rms_norm(h, norm.weight, norm.eps), h
+    return fused_add_rms_norm(h, residual, norm.weight, norm.eps)
+
+
 class DecoderModel(nn.Module):
     """The layers of `layer_cls(cfg, rotary, index)`; each has input_layernorm, self_attn,
     post_attention_layernorm and mlp."""
@@ -103,26 +118,16 @@ class DecoderModel(nn.Module):
         # NOTE: the residual add is fused into the next RMSNorm, so the output of layer i - 1
         # (h + residual) only exists inside layer i, right after that add.
         for i, layer in enumerate(self.layers):
-            norm = layer.input_layernorm
-            folds = getattr(layer.self_attn, "folds_input_norm", None)
-            if i != stop and folds is not None and folds(h, norm.weight):
-                # NOTE: the attention's first projection applies this norm (norm_gemv.py) and
-                # writes the new residual, which only exists once that kernel has run
-                x = NormedInput(h, residual, norm.weight, norm.eps,
-                                h if residual is None else torch.empty_like(h))
-                residual = x.new_residual
-            elif residual is None:
-                x, residual = rms_norm(h, norm.weight, norm.eps), h
-            else:
-                x, residual = fused_add_rms_norm(h, residual, norm.weight, norm.eps)
+            # NOTE: never folded on the stop layer: its residual (the tap) must exist here
+            x, residual = _normed(layer.self_attn if i != stop else None, h, residual,
+                                  layer.input_layernorm)
             if i - 1 in hidden_layer_ids:
                 taps[i - 1] = residual
             if i == stop:
                 join_beside(h.device)
                 return None, [taps[j] for j in hidden_layer_ids]
             x = layer.self_attn(positions, x, meta)
-            norm = layer.post_attention_layernorm
-            x, residual = fused_add_rms_norm(x, residual, norm.weight, norm.eps)
+            x, residual = _normed(layer.mlp, x, residual, layer.post_attention_layernorm)
             h = layer.mlp(x)
         join_beside(h.device)  # NOTE: side work without a result (side_stream.py)
         out, _ = fused_add_rms_norm(h, residual, self.norm.weight, self.norm.eps)
