@@ -22,7 +22,7 @@ def _interpret(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("k,n", [(1024, 6), (2048, 64)])
+@pytest.mark.parametrize("k,n", [(1024, 6), (2048, 8)])
 def test_fold_equals_norm_then_split_gemv(dtype, k, n):
     g = torch.Generator().manual_seed(k + n)
     h = torch.randn(1, k, generator=g).to(dtype)
