@@ -2,7 +2,8 @@
 programmatic dependent launch (`--ab pdl`, layers/pdl.py), each MoE layer's later weights
 asked of L2 beside its attention (`--ab l2_prefetch`: off, lines, bulk, lines+next), the input
 norm folded into the fused input projections (`--ab norm_fold`, layers/norm_gemv.py), the
-post-attention norm folded into the router (`--ab router_norm`, layers/norm_router.py), two
+post-attention norm folded into the router (`--ab router_norm`, layers/norm_router.py), the
+dense experts' down projection a program per pick (`--ab down_split`, moe_down.py), two
 weight tiles loaded before each GEMV's PDL wait (`--ab gemv_preload`), MLA's
 one-token launches (`--ab mla_one_token`, layers/mla_one_token.py: the W_UK absorb with the
 rope / latent norm, the W_UV absorb with the split-KV merge, against the separate launches) or
@@ -22,7 +23,7 @@ unfolded shared experts, while folded ones round differently).
 
 Usage: python benchmarks/step_ab.py --out FILE.json
        [--ab pdl|mla_one_token|shared_beside|l2_prefetch|norm_fold|router_norm|
-               gemv_preload[,...]]
+               down_split|gemv_preload[,...]]
        [--qwen3] [--skip moonlight,kimi_int4]
 """
 
@@ -52,7 +53,7 @@ from blockspec.bench.moe_shapes import (
     write_moe_folders,
 )
 from blockspec.engine.decode_step import GraphedDecodeStep
-from blockspec.layers import linear, mla_one_token
+from blockspec.layers import linear, mla_one_token, moe_decode
 from blockspec.layers.attention import PagedAttention
 
 CTX = INPUT_LEN + 128
@@ -108,6 +109,19 @@ def set_router_norm(llm: LLM, on: bool) -> None:
             m.fold_input_norm = on
 
 
+_DOWN = dict(moe_decode.DEFAULT_TILES[moe_decode.DENSE])
+
+
+def set_down_split(llm: LLM, on: bool) -> None:
+    """The dense decode experts' down projection one program per (token, pick, rows), the last
+    to arrive summing in pick order (moe_down.py), or, off, one looping over the picks (the
+    default): measured 7% faster alone at one token but slower in the step while the shared
+    experts folded into it (docs/benchmarks.md); they run beside now."""
+    set_pdl(llm, True)
+    tiles = _DOWN["down"]
+    moe_decode.DEFAULT_TILES[moe_decode.DENSE]["down"] = tiles._replace(split=on)
+
+
 def set_gemv_preload(llm: LLM, tiles: int) -> None:
     """Weight tiles each GEMV program loads before its PDL wait (linear.GEMV_PRELOAD)."""
     set_pdl(llm, True)
@@ -121,6 +135,7 @@ OPTIONS = {"pdl": (set_pdl, (False, True), True),
            "norm_fold": (set_norm_fold, (False, True), False),
            "router_norm": (set_router_norm, (False, True), False),
            "gemv_preload": (set_gemv_preload, (1, 2), 1),
+           "down_split": (set_down_split, (False, True), False),
            "l2_prefetch": (set_l2_prefetch, ("off", "lines", "bulk", "lines+next"), "off")}
 
 
