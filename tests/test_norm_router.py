@@ -22,8 +22,13 @@ def _interpret(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("k,n", [(1024, 6), (2048, 8)])
-def test_fold_equals_norm_then_split_gemv(dtype, k, n):
+@pytest.mark.parametrize("k,n,max_programs", [(1024, 6, 256), (2048, 8, 256), (1024, 6, 4)])
+def test_fold_equals_norm_then_split_gemv(dtype, k, n, max_programs, monkeypatch):
+    """max_programs 4: 4 rows a program where split_gemv takes 2 (router_config)."""
+    import blockspec.layers.norm_router as nr
+
+    monkeypatch.setattr(nr, "MAX_PROGRAMS", max_programs)
+    assert nr.router_config(n, k)[0] == (2 if max_programs == 256 else 4)
     g = torch.Generator().manual_seed(k + n)
     h = torch.randn(1, k, generator=g).to(dtype)
     res = torch.randn(1, k, generator=g).to(dtype)

@@ -66,10 +66,21 @@ def _norm_split_gemv_kernel(h_ptr, res_ptr, nw_ptr, w_ptr, y_ptr, x_ptr, new_res
         tl.atomic_xchg(lock, 0)
 
 
+MAX_PROGRAMS = 256  # each program sums the whole row's squares: their L2 reads, bounded
+MAX_BLOCK_N = 8
+
+
 def router_config(n: int, k: int) -> tuple[int, int, int]:
     """split_gemv's (BLOCK_N, BLOCK_K, splits) for the router (its 512-wide chunks from K =
-    1024 on); narrower chunks below, so that even a tiny model's router splits."""
-    return split_config(n, k, block_k=min(512, max(16, triton.next_power_of_2(k) // 2)))
+    1024 on; narrower below, so that even a tiny model's router splits), with more rows a
+    program where the grid would pass MAX_PROGRAMS: every program reads the whole row pair
+    (h, residual) for its sum of squares, which at Kimi's 384 x 7168 and two rows a program
+    (1344 programs of 28 KB) would be 3.5x the router's own bytes. NOTE: a row's sum does not
+    depend on BLOCK_N (rows are summed apart)."""
+    bn, bk, splits = split_config(n, k, block_k=min(512, max(16, triton.next_power_of_2(k) // 2)))
+    while bn < MAX_BLOCK_N and triton.cdiv(n, bn) * splits > MAX_PROGRAMS:
+        bn *= 2
+    return bn, bk, splits
 
 
 def folds_router(h: torch.Tensor, norm_weight: torch.Tensor, w: torch.Tensor) -> bool:
