@@ -332,7 +332,7 @@ def test_mla_target_attention_runs_the_mla_kernel(deepseek_pair):
     tokens are those of the torch backend (interpreted here)."""
     from blockspec.layers.attention import PagedAttention
 
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     prompts = [prompt(21, 3), prompt(9, 4)]
     toks = {}
     for backend in ("torch", "triton"):

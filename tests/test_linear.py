@@ -137,13 +137,13 @@ def test_engine_outputs_with_triton_matmuls(qwen3_path, drafter16, monkeypatch):
     monkeypatch.setattr(lin, "skinny", lambda x, w, c=None: calls.append(x.shape[0])
                         or real_skinny(x, w, c))
     prompts = random_prompts([7], seed=3)
-    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     ref = [o.token_ids for o in cpu_llm(qwen3_path).generate(prompts, params)]
     assert calls == []
     ar = cpu_llm(qwen3_path, linear_backend="triton")
     assert [o.token_ids for o in ar.generate(prompts, params)] == ref
     n_layers = ar.engine.model_config.num_hidden_layers
-    assert calls.count(1) >= 5 * (4 * n_layers + 1)  # every decode step's matmuls
+    assert calls.count(1) >= 3 * (4 * n_layers + 1)  # every decode step's matmuls
     calls.clear()
     monkeypatch.setattr(lin, "SKINNY_MIN_N", 1)
     sp = cpu_llm(qwen3_path, drafter16, linear_backend="triton", speculation_policy="fixed",

@@ -50,8 +50,8 @@ def demo_reference(demo):
     return prompts, params, ar_alone(ar, prompts, params)
 
 
-@pytest.mark.parametrize("policy,block", [("fixed", 2), ("fixed", 4), ("fixed", 8),
-                                          ("fixed", 16), ("adaptive", 16)])
+# NOTE: blocks 4 and 8 run on the constant pair below (the demo pair's steps cost more)
+@pytest.mark.parametrize("policy,block", [("fixed", 2), ("fixed", 16), ("adaptive", 16)])
 def test_demo_pair_speculative_sampling_equals_autoregressive(demo, demo_reference, policy,
                                                                block):
     target, drafter = demo
