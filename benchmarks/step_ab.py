@@ -94,18 +94,20 @@ def set_l2_prefetch(llm: LLM, mode: str) -> None:
 def set_norm_fold(llm: LLM, on: bool) -> None:
     """Each layer's input norm folded into its fused input projections at one token
     (layers/norm_gemv.py) or, off, its own kernel."""
-    set_pdl(llm, True)
-    for m in llm.engine.model.modules():
-        if isinstance(m, ds.MLAttention):
-            m.fold_input_norm = on
+    _set_fold(llm, ds.MLAttention, on)
 
 
 def set_router_norm(llm: LLM, on: bool) -> None:
     """Each MoE layer's post-attention norm folded into its router at one token
     (layers/norm_router.py) or, off, its own kernel."""
+    _set_fold(llm, ds.MoE, on)
+
+
+def _set_fold(llm: LLM, cls: type, on: bool) -> None:
+    """`fold_input_norm` of every `cls` module (its first kernel applies the norm before it)."""
     set_pdl(llm, True)
     for m in llm.engine.model.modules():
-        if isinstance(m, ds.MoE):
+        if isinstance(m, cls):
             m.fold_input_norm = on
 
 

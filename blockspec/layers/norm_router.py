@@ -19,11 +19,11 @@ import os
 
 import torch
 
-from blockspec.layers.arrival import _last_to_arrive, arrival_locks
+from blockspec.layers.arrival import arrival_locks
 from blockspec.layers.fused import _cast, _jit, _residual_sum, tl, triton
 from blockspec.layers.norm_gemv import MAX_K, NormedInput, _normed_chunk
 from blockspec.layers.pdl import pdl_args, pdl_sync
-from blockspec.layers.split_gemv import split_config
+from blockspec.layers.split_gemv import _store_split, split_config
 
 
 @_jit
@@ -55,15 +55,8 @@ def _norm_split_gemv_kernel(h_ptr, res_ptr, nw_ptr, w_ptr, y_ptr, x_ptr, new_res
             tl.store(x_ptr + cols, _cast(x, dtype))
             _residual_sum(h_ptr, res_ptr, new_res_ptr, cols, cols >= 0, dtype, HAS_RES, True)
         acc += w.to(tl.float32) * x[None, :]
-    tl.store(part_ptr + split * N + rows, tl.sum(acc, axis=1), mask=rmask)
-    lock = lock_ptr + block
-    splits = tl.num_programs(1)
-    if _last_to_arrive(lock, splits):
-        total = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for s in range(splits):
-            total += tl.load(part_ptr + s * N + rows, mask=rmask, other=0.0, cache_modifier=".cg")
-        tl.store(y_ptr + rows, _cast(total, y_ptr.dtype.element_ty), mask=rmask)
-        tl.atomic_xchg(lock, 0)
+    _store_split(tl.sum(acc, axis=1), part_ptr, y_ptr, lock_ptr + block, rows, rmask, N,
+                 BLOCK_N)
 
 
 MAX_PROGRAMS = 256  # each program sums the whole row's squares: their L2 reads, bounded
