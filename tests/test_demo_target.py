@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import email.message
 import json
+import shutil
 import sysconfig
 from pathlib import Path
 
@@ -228,7 +229,7 @@ def smoke_pair(tmp_path_factory, one_thread):
     return root, record
 
 
-def test_build_demo_pair_smoke(smoke_pair, tmp_path):
+def test_build_demo_pair_smoke(smoke_pair, tmp_path, monkeypatch):
     mod = load_script("build_demo_pair")
     built, record = smoke_pair
     for stage in ("corpus", "tokenizer", "target", "gen", "drafter", "eval"):
@@ -255,8 +256,22 @@ def test_build_demo_pair_smoke(smoke_pair, tmp_path):
     saved = json.loads((built / "pair" / "build_record.json").read_text())
     assert saved["total_seconds"] == record["total_seconds"]
     # Drafter only, against the target just built (how a drafter is retrained for the shipped one).
-    again = mod.build(tmp_path / "again", profile="smoke",
+    # NOTE: the stages themselves ran above; here only the plan is under test, so each stage's
+    # subprocess is replaced by a copy of what the first build wrote at the same place.
+    again_dir = tmp_path / "again"
+    ran: list[str] = []
+
+    def copy_stage(cmd, **kw):
+        ran.append(cmd[3] if cmd[2] == "blockspec.cli" else cmd[2])
+        dst = Path(cmd[cmd.index("--out") + 1])
+        src = built / "pair" / dst.relative_to(again_dir)
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        (shutil.copytree if src.is_dir() else shutil.copy2)(src, dst)
+
+    monkeypatch.setattr(mod.subprocess, "run", copy_stage)
+    again = mod.build(again_dir, profile="smoke",
                       reuse_target=built / "pair" / "target", deadline_s=1000)
+    assert ran == ["blockspec.train.corpus", "generate-data", "train-drafter", "eval-acceptance"]
     assert again["stages"]["target"] == {"reused": str(built / "pair" / "target")}
     assert "tokenizer" not in again["stages"] and again["drafter"]["bytes"] > 0
     cmd = again["stages"]["drafter"]["command"]  # the deadline set the drafter's time budget
