@@ -1,15 +1,15 @@
 """A/B of a launch option on the batch-1 decode step, one GPU, one run (issues 21 and 23):
-programmatic dependent launch (`--ab pdl`, layers/pdl.py), each MoE layer's later weights
-asked of L2 beside its attention (`--ab l2_prefetch`: off, lines, bulk, lines+next), the input
-norm folded into the fused input projections (`--ab norm_fold`, layers/norm_gemv.py), the
-post-attention norm folded into the router (`--ab router_norm`, layers/norm_router.py), the
-dense experts' down projection a program per pick (`--ab down_split`, moe_down.py), two
-weight tiles loaded before each GEMV's PDL wait (`--ab gemv_preload`), MLA's
-one-token launches (`--ab mla_one_token`, layers/mla_one_token.py: the W_UK absorb with the
-rope / latent norm, the W_UV absorb with the split-KV merge, against the separate launches) or
-the shared experts on a side stream (`--ab shared_beside`, layers/side_stream.py) against
-folded into the routed launches (Moonlight's bf16 experts) or before the routing (the Kimi
-slice's int4).
+programmatic dependent launch (`--ab pdl`, layers/pdl.py), each MoE layer's later weights asked
+of L2 beside its attention (`--ab l2_prefetch`: off, lines, bulk, lines+next), the input norm
+folded into the fused input projections (`--ab norm_fold`, layers/norm_gemv.py; 8: eight rows a
+program), the post-attention norm folded into the router (`--ab router_norm`,
+layers/norm_router.py), the dense experts' down projection a program per pick (`--ab
+down_split`, moe_down.py), two weight tiles loaded before each GEMV's PDL wait (`--ab
+gemv_preload`), MLA's one-token launches (`--ab mla_one_token`, layers/mla_one_token.py: the
+W_UK absorb with the rope / latent norm, the W_UV absorb with the split-KV merge, against the
+separate launches) or the shared experts on a side stream (`--ab shared_beside`,
+layers/side_stream.py) against folded into the routed launches (Moonlight's bf16 experts) or
+before the routing (the Kimi slice's int4).
 
 For each target (random weights, `load_format=dummy`): Moonlight-16B-A3B's shape, the
 Kimi-K2.6-width slice with INT4 experts (benchmarks/moe_bench.py's) and optionally the dense
@@ -53,7 +53,7 @@ from blockspec.bench.moe_shapes import (
     write_moe_folders,
 )
 from blockspec.engine.decode_step import GraphedDecodeStep
-from blockspec.layers import linear, mla_one_token, moe_decode
+from blockspec.layers import linear, mla_one_token, moe_decode, norm_gemv
 from blockspec.layers.attention import PagedAttention
 
 CTX = INPUT_LEN + 128
@@ -91,10 +91,11 @@ def set_l2_prefetch(llm: LLM, mode: str) -> None:
     os.environ["BLOCKSPEC_L2_PREFETCH"] = mode
 
 
-def set_norm_fold(llm: LLM, on: bool) -> None:
+def set_norm_fold(llm: LLM, on: bool | int) -> None:
     """Each layer's input norm folded into its fused input projections at one token
-    (layers/norm_gemv.py) or, off, its own kernel."""
-    _set_fold(llm, ds.MLAttention, on)
+    (layers/norm_gemv.py; an int: that many rows a program) or, off, its own kernel."""
+    _set_fold(llm, ds.MLAttention, bool(on))
+    norm_gemv.ROWS_PER_PROGRAM = None if isinstance(on, bool) else on
 
 
 def set_router_norm(llm: LLM, on: bool) -> None:
@@ -134,7 +135,7 @@ def set_gemv_preload(llm: LLM, tiles: int) -> None:
 OPTIONS = {"pdl": (set_pdl, (False, True), True),
            "mla_one_token": (set_mla_one_token, (False, True), True),
            "shared_beside": (set_shared_beside, (False, True), True),
-           "norm_fold": (set_norm_fold, (False, True), False),
+           "norm_fold": (set_norm_fold, (False, True, 8), False),
            "router_norm": (set_router_norm, (False, True), False),
            "gemv_preload": (set_gemv_preload, (1, 2), 1),
            "down_split": (set_down_split, (False, True), False),

@@ -36,6 +36,26 @@ def test_fold_equals_norm_then_gemv(dtype, with_residual, k, n):
     assert torch.equal(inp.new_residual, want_res)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_more_rows_a_program(dtype, monkeypatch):
+    """ROWS_PER_PROGRAM = 8: the tile keeps its size (BLOCK_K / 4, so the fp32 sums' order, not
+    their terms, differs from gemv's) and the rows past a multiple of 8 are masked."""
+    import blockspec.layers.norm_gemv as ng
+
+    monkeypatch.setattr(ng, "ROWS_PER_PROGRAM", 8)
+    assert ng.norm_gemv_config(3648, 2048)[:2] == (8, 256)
+    g = torch.Generator().manual_seed(3)
+    h, res = (torch.randn(1, 256, generator=g).to(dtype) for _ in range(2))
+    nw = (1 + 0.1 * torch.randn(256, generator=g)).to(dtype)
+    w = (torch.randn(45, 256, generator=g) / 16).to(dtype)
+    x, want_res = fused_add_rms_norm(h, res, nw, 1e-6, use_triton=True)
+    inp = NormedInput(h, res, nw, 1e-6, torch.zeros_like(h))
+    got = norm_gemv(inp, w)
+    torch.testing.assert_close(got.float(), (x.float() @ w.float().T).to(dtype).float(),
+                               atol=1e-5 if dtype == torch.float32 else 2e-2, rtol=1e-5)
+    assert torch.equal(inp.new_residual, want_res)
+
+
 def test_refuses_what_it_cannot_take():
     h, nw = torch.randn(2, 64), torch.ones(64)
     with pytest.raises(ValueError, match="norm_gemv"):  # two rows

@@ -14,13 +14,14 @@ pytest.importorskip("triton")
 
 
 def _state(model) -> tuple:
-    from blockspec.layers import linear, mla_one_token, moe_decode
+    from blockspec.layers import linear, mla_one_token, moe_decode, norm_gemv
     from blockspec.layers.attention import PagedAttention
     from blockspec.models import deepseek_v3 as ds
 
     flags = [(type(m).__name__, m.fold_input_norm, getattr(m, "shared_beside", None))
              for m in model.modules() if isinstance(m, (ds.MLAttention, ds.MoE))]
-    return (flags, linear.GEMV_PRELOAD, moe_decode.DEFAULT_TILES[moe_decode.DENSE]["down"],
+    return (flags, linear.GEMV_PRELOAD, norm_gemv.ROWS_PER_PROGRAM,
+            moe_decode.DEFAULT_TILES[moe_decode.DENSE]["down"],
             mla_one_token._one_token_triton, PagedAttention.partials,
             os.environ.get("BLOCKSPEC_L2_PREFETCH", "off"), os.environ.get("BLOCKSPEC_PDL", "1"))
 

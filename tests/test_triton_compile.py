@@ -263,11 +263,13 @@ def main() -> int:
     import blockspec.layers.norm_gemv as ng
 
     # Moonlight's input norm + fused q / kv_a projections (3648 x 2048) at linear.gemv's tiles
-    kernel = compile_kernel_sm90(ng._norm_gemv_kernel, dict(
-        HAS_RES=True, ROW_BLOCK=2048, BLOCK_N=2, BLOCK_K=1024, USE_PDL=True), dict(
-        h_ptr="*bf16", res_ptr="*bf16", nw_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16",
-        new_res_ptr="*bf16", eps="fp32"), num_warps=4, num_stages=3, enable_fp_fusion=False)
-    assert "cubin" in kernel.asm and "griddepcontrol.wait" in kernel.asm["ptx"]
+    # and at eight rows a program (ROWS_PER_PROGRAM = 8)
+    for bn, bk in ((2, 1024), (8, 256)):
+        kernel = compile_kernel_sm90(ng._norm_gemv_kernel, dict(
+            HAS_RES=True, ROW_BLOCK=2048, BLOCK_N=bn, BLOCK_K=bk, USE_PDL=True), dict(
+            h_ptr="*bf16", res_ptr="*bf16", nw_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16",
+            new_res_ptr="*bf16", eps="fp32"), num_warps=4, num_stages=3, enable_fp_fusion=False)
+        assert "cubin" in kernel.asm and "griddepcontrol.wait" in kernel.asm["ptx"]
     import blockspec.layers.norm_router as nr
 
     # Moonlight's post-attention norm + router (64 x 2048 fp32, 4 splits of 512)

@@ -21,10 +21,15 @@ from dataclasses import dataclass
 import torch
 
 from blockspec.layers.fused import _cast, _jit, _norm_value, _residual_sum, _rnd, tl, triton
-from blockspec.layers.linear import _kernel_for, gemv, gemv_config
+from blockspec.layers.linear import _fit_block_k, _kernel_for, gemv, gemv_config
 from blockspec.layers.pdl import pdl_args, pdl_sync
 
 MAX_K = 8192  # the row's squares summed in one block (fused._MAX_ROW_BLOCK)
+# Rows a program (None: gemv_config's two). NOTE: every program reads the whole row pair from
+# L2 for its sum of squares: at two rows, Moonlight's fused q / kv_a projection (3648 rows, 1824
+# programs) reads ~15 MB a layer, as much as its weights; more rows a program read less of it
+# (benchmarks/step_ab.py --ab norm_fold compares both).
+ROWS_PER_PROGRAM: int | None = None
 
 
 @dataclass
@@ -88,11 +93,22 @@ def _norm_gemv_kernel(h_ptr, res_ptr, nw_ptr, w_ptr, y_ptr, new_res_ptr, N, K, e
     tl.store(y_ptr + rows, _cast(tl.sum(acc, axis=1), y_ptr.dtype.element_ty), mask=rows < N)
 
 
+def norm_gemv_config(n: int, k: int) -> tuple[int, int, int, int] | None:
+    """gemv_config's, or ROWS_PER_PROGRAM rows a program with BLOCK_K scaled down to keep the
+    tile's size (at least 16 wide)."""
+    cfg = gemv_config(n, k)
+    if cfg is None or ROWS_PER_PROGRAM is None:
+        return cfg
+    bn, bk, warps, stages = cfg
+    return _fit_block_k((ROWS_PER_PROGRAM, max(16, bn * bk // ROWS_PER_PROGRAM), warps, stages),
+                        k)
+
+
 def norm_gemv(inp: NormedInput, w: torch.Tensor) -> torch.Tensor:
     """gemv(rms_norm(inp.h + inp.residual), w) for one row -> [1, N] in h's dtype, writing
     inp.h + inp.residual into inp.new_residual (where there is a residual)."""
     k, n = inp.h.shape[-1], w.shape[0]
-    cfg = gemv_config(n, k)
+    cfg = norm_gemv_config(n, k)
     if inp.h.numel() != k or k > MAX_K or cfg is None or k % cfg[1] or w.shape[1] != k \
             or not w.is_contiguous() or inp.weight.dtype != inp.h.dtype:
         raise ValueError(f"norm_gemv: unsupported shapes h {tuple(inp.h.shape)}, "
