@@ -1,15 +1,10 @@
 """A/B of a launch option on the batch-1 decode step, one GPU, one run (issues 21 and 23):
-programmatic dependent launch (`--ab pdl`, layers/pdl.py), each MoE layer's later weights asked
-of L2 beside its attention (`--ab l2_prefetch`: off, lines, bulk, lines+next), the input norm
-folded into the fused input projections (`--ab norm_fold`, layers/norm_gemv.py; 8: eight rows a
-program), the post-attention norm folded into the router (`--ab router_norm`,
-layers/norm_router.py), the dense experts' down projection a program per pick (`--ab
-down_split`, moe_down.py), two weight tiles loaded before each GEMV's PDL wait (`--ab
-gemv_preload`), MLA's one-token launches (`--ab mla_one_token`, layers/mla_one_token.py: the
-W_UK absorb with the rope / latent norm, the W_UV absorb with the split-KV merge, against the
-separate launches) or the shared experts on a side stream (`--ab shared_beside`,
-layers/side_stream.py) against folded into the routed launches (Moonlight's bf16 experts) or
-before the routing (the Kimi slice's int4).
+programmatic dependent launch (`--ab pdl`, layers/pdl.py), the dense experts' down projection a
+program per pick (`--ab down_split`, moe_down.py), MLA's one-token launches (`--ab
+mla_one_token`, layers/mla_one_token.py: the W_UK absorb with the rope / latent norm, the W_UV
+absorb with the split-KV merge, against the separate launches) or the shared experts on a side
+stream (`--ab shared_beside`, layers/side_stream.py) against folded into the routed launches
+(Moonlight's bf16 experts) or before the routing (the Kimi slice's int4).
 
 For each target (random weights, `load_format=dummy`): Moonlight-16B-A3B's shape, the
 Kimi-K2.6-width slice with INT4 experts (benchmarks/moe_bench.py's) and optionally the dense
@@ -22,8 +17,7 @@ arithmetic but for the merge's fused multiply-add; the side stream changes only 
 unfolded shared experts, while folded ones round differently).
 
 Usage: python benchmarks/step_ab.py --out FILE.json
-       [--ab pdl|mla_one_token|shared_beside|l2_prefetch|norm_fold|router_norm|
-               down_split|gemv_preload[,...]]
+       [--ab pdl|mla_one_token|shared_beside|down_split[,...]]
        [--qwen3] [--skip moonlight,kimi_int4]
 """
 
@@ -53,7 +47,7 @@ from blockspec.bench.moe_shapes import (
     write_moe_folders,
 )
 from blockspec.engine.decode_step import GraphedDecodeStep
-from blockspec.layers import linear, mla_one_token, moe_decode, norm_gemv
+from blockspec.layers import mla_one_token, moe_decode
 from blockspec.layers.attention import PagedAttention
 
 CTX = INPUT_LEN + 128
@@ -83,35 +77,6 @@ def set_shared_beside(llm: LLM, on: bool) -> None:
             m.shared_beside = on
 
 
-def set_l2_prefetch(llm: LLM, mode: str) -> None:
-    """Each MoE layer's later weights asked of L2 beside its attention (layers/l2_prefetch.py)
-    in `mode` (off, lines, bulk; lines+next: also the next layer's input projections after
-    the shared experts)."""
-    set_pdl(llm, True)
-    os.environ["BLOCKSPEC_L2_PREFETCH"] = mode
-
-
-def set_norm_fold(llm: LLM, on: bool | int) -> None:
-    """Each layer's input norm folded into its fused input projections at one token
-    (layers/norm_gemv.py; an int: that many rows a program) or, off, its own kernel."""
-    _set_fold(llm, ds.MLAttention, bool(on))
-    norm_gemv.ROWS_PER_PROGRAM = None if isinstance(on, bool) else on
-
-
-def set_router_norm(llm: LLM, on: bool) -> None:
-    """Each MoE layer's post-attention norm folded into its router at one token
-    (layers/norm_router.py) or, off, its own kernel."""
-    _set_fold(llm, ds.MoE, on)
-
-
-def _set_fold(llm: LLM, cls: type, on: bool) -> None:
-    """`fold_input_norm` of every `cls` module (its first kernel applies the norm before it)."""
-    set_pdl(llm, True)
-    for m in llm.engine.model.modules():
-        if isinstance(m, cls):
-            m.fold_input_norm = on
-
-
 _DOWN = dict(moe_decode.DEFAULT_TILES[moe_decode.DENSE])
 
 
@@ -125,21 +90,11 @@ def set_down_split(llm: LLM, on: bool) -> None:
     moe_decode.DEFAULT_TILES[moe_decode.DENSE]["down"] = tiles._replace(split=on)
 
 
-def set_gemv_preload(llm: LLM, tiles: int) -> None:
-    """Weight tiles each GEMV program loads before its PDL wait (linear.GEMV_PRELOAD)."""
-    set_pdl(llm, True)
-    linear.GEMV_PRELOAD = tiles
-
-
 # option: (setter, the values compared (the first the baseline), the engine's default)
 OPTIONS = {"pdl": (set_pdl, (False, True), True),
            "mla_one_token": (set_mla_one_token, (False, True), True),
            "shared_beside": (set_shared_beside, (False, True), True),
-           "norm_fold": (set_norm_fold, (False, True, 8), False),
-           "router_norm": (set_router_norm, (False, True), False),
-           "gemv_preload": (set_gemv_preload, (1, 2), 1),
-           "down_split": (set_down_split, (False, True), False),
-           "l2_prefetch": (set_l2_prefetch, ("off", "lines", "bulk", "lines+next"), "off")}
+           "down_split": (set_down_split, (False, True), False)}
 
 
 def variant(llm: LLM, option, on) -> tuple[float, torch.Tensor]:
@@ -242,7 +197,6 @@ def main() -> int:
         res["qwen3_8b"] = target_ab("qwen3_8b", llm, floor_bytes(llm, CTX), bw, options)
         save()
     os.environ.pop("BLOCKSPEC_PDL")
-    os.environ.pop("BLOCKSPEC_L2_PREFETCH", None)
     return 0
 
 

@@ -30,21 +30,6 @@ def test_gemv_matches_f_linear(dtype, n):
     torch.testing.assert_close(y.float(), F.linear(x.float(), w.float()), atol=atol, rtol=rtol)
 
 
-@pytest.mark.parametrize("k", [32, 64, 96])  # one, two and three 32-wide tiles
-def test_gemv_preloading_two_tiles_changes_no_bit(k, monkeypatch):
-    """Two weight tiles before the PDL wait (GEMV_PRELOAD 2) sum as one does, tile by tile;
-    a span of one tile masks the second out."""
-    g = torch.Generator().manual_seed(k)
-    x = torch.randn(1, k, generator=g).to(DEVICE, torch.bfloat16)
-    w = (torch.randn(50, k, generator=g) / k**0.5).to(DEVICE, torch.bfloat16)
-    cfg = (2, 32, 4, 3)
-    want = lin.gemv(x, w, cfg)
-    monkeypatch.setattr(lin, "GEMV_PRELOAD", 2)
-    assert torch.equal(lin.gemv(x, w, cfg), want)
-    torch.testing.assert_close(want.float(), F.linear(x.float(), w.float()), atol=2e-2,
-                               rtol=1e-2)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("m", [2, 15, 16])
 def test_skinny_matches_f_linear(dtype, m):

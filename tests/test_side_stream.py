@@ -4,8 +4,6 @@ compares the logits bit for bit); here the join logic and the CPU path."""
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
 import blockspec.layers.side_stream as ss
@@ -14,7 +12,6 @@ import blockspec.layers.side_stream as ss
 class FakeStream:
     def __init__(self) -> None:
         self.waited: list[FakeStream] = []
-        self.device = torch.device("cuda", 0)
 
     def wait_stream(self, other: FakeStream) -> None:
         self.waited.append(other)
@@ -28,32 +25,6 @@ def test_pending_joins_its_stream_once():
     assert ss.resolve(pending) is value and ss.resolve(pending) is value
     assert main.waited == [side] and side.waited == []
     assert ss.resolve(value) is value and ss.resolve(None) is None
-
-
-def test_side_work_without_a_result_is_joined_once_and_only_in_its_own_capture(monkeypatch):
-    dev = torch.device("cuda", 0)
-    side, main = FakeStream(), FakeStream()
-    capturing = [False]
-    monkeypatch.setattr(ss, "_STREAMS", {dev: side})
-    monkeypatch.setattr(ss, "_UNJOINED", {})
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: main)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
-    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
-    ran = []
-    assert ss.start_beside(lambda: ran.append(1), dev) and ran == [1]
-    assert side.waited == [main]  # after what the current stream queued
-    ss.join_beside(dev)
-    ss.join_beside(dev)  # joined already: no second wait
-    assert main.waited == [side]
-    ss.start_beside(lambda: None, dev)  # eager work, then a capture: forgotten, not waited
-    capturing[0] = True
-    ss.join_beside(dev)
-    assert main.waited == [side]
-    ss.start_beside(lambda: None, dev)  # a Pending's join covers earlier side work too
-    ss.Pending(torch.ones(1), side, main).wait()
-    ss.join_beside(dev)
-    assert main.waited == [side, side]
-    assert not ss.start_beside(lambda: 1 / 0, torch.device("cpu"))
 
 
 def test_off_cuda_the_work_runs_inline():
@@ -89,7 +60,7 @@ def test_moe_runs_unfolded_shared_experts_beside_and_joins(monkeypatch, tmp_path
     assert moe.runs_shared_beside(x)
     monkeypatch.setattr(moe, "shared_fold", lambda num_slots: 1 / 0)  # never asked
     moe(x)
-    assert started == [moe._shared_then_next] and main.waited == [side]
+    assert started == [moe.shared_experts] and main.waited == [side]
     moe.shared_beside, started[:] = False, []
     assert not moe.runs_shared_beside(x)
     monkeypatch.undo()

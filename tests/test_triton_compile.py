@@ -248,45 +248,6 @@ def main() -> int:
 
     assert "cubin" in compile_sm90(gg._gated_gemv_kernel, dict(BLOCK_N=2, BLOCK_K=1024), dict(
         x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16"))
-    import blockspec.layers.linear as lin
-
-    # two weight tiles before the PDL wait (linear.GEMV_PRELOAD 2) at Moonlight's o_proj: twice
-    # the loads ahead of it
-    ahead = []
-    for preload in (1, 2):
-        ptx = compile_kernel_sm90(lin._gemv_kernel, dict(
-            BLOCK_N=2, BLOCK_K=1024, USE_PDL=True, PRELOAD=preload), dict(
-            x_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16"), num_warps=4, num_stages=3,
-            enable_fp_fusion=False).asm["ptx"]
-        ahead.append(ptx[:ptx.index("griddepcontrol.wait")].count("ld.global"))
-    assert ahead[0] > 0 and ahead[1] == 2 * ahead[0], ahead
-    import blockspec.layers.norm_gemv as ng
-
-    # Moonlight's input norm + fused q / kv_a projections (3648 x 2048) at linear.gemv's tiles
-    # and at eight rows a program (ROWS_PER_PROGRAM = 8)
-    for bn, bk in ((2, 1024), (8, 256)):
-        kernel = compile_kernel_sm90(ng._norm_gemv_kernel, dict(
-            HAS_RES=True, ROW_BLOCK=2048, BLOCK_N=bn, BLOCK_K=bk, USE_PDL=True), dict(
-            h_ptr="*bf16", res_ptr="*bf16", nw_ptr="*bf16", w_ptr="*bf16", y_ptr="*bf16",
-            new_res_ptr="*bf16", eps="fp32"), num_warps=4, num_stages=3, enable_fp_fusion=False)
-        assert "cubin" in kernel.asm and "griddepcontrol.wait" in kernel.asm["ptx"]
-    import blockspec.layers.norm_router as nr
-
-    # Moonlight's post-attention norm + router (64 x 2048 fp32, 4 splits of 512)
-    kernel = compile_kernel_sm90(nr._norm_split_gemv_kernel, dict(
-        HAS_RES=True, ROW_BLOCK=2048, BLOCK_N=2, BLOCK_K=512, USE_PDL=True), dict(
-        h_ptr="*bf16", res_ptr="*bf16", nw_ptr="*bf16", w_ptr="*fp32", y_ptr="*fp32",
-        x_ptr="*bf16", new_res_ptr="*bf16", part_ptr="*fp32", lock_ptr="*i32", eps="fp32"),
-        num_warps=4, enable_fp_fusion=False)
-    assert "cubin" in kernel.asm and "griddepcontrol.wait" in kernel.asm["ptx"]
-    import blockspec.layers.l2_prefetch as lp
-
-    for mode, asm in (("lines", "prefetch.global.L2 "), ("bulk", "cp.async.bulk.prefetch.L2")):
-        unit, each = lp.PIECES[mode]
-        ptx = compile_sm90(lp._l2_prefetch_kernel, dict(UNIT=unit, BULK=mode == "bulk",
-                                                        EACH=each), dict(
-            a0="i64", a1="i64", a2="i64", a3="i64", r0="*i8", r1="*i8", r2="*i8", r3="*i8"))["ptx"]
-        assert asm in ptx, mode  # kept though nothing reads a result (is_pure=False)
     print("compiled")
     return 0
 

@@ -30,7 +30,6 @@ from blockspec.engine.step_mix import StepMix
 from blockspec.engine.step_plan import step_context
 from blockspec.engine.step_result import StepResult, StepTimings
 from blockspec.layers.counter_rng import derive_seed
-from blockspec.layers.l2_prefetch import l2_budget
 from blockspec.models.loader import load_model
 from blockspec.outputs import RequestOutput
 from blockspec.policy.step_context import StepContext
@@ -74,9 +73,6 @@ class LLMEngine:
         fuse = getattr(self.model, "fuse_projections", None)
         if fuse is not None:  # NOTE: after loading and sharding, which replace weights
             fuse()
-        plan = getattr(self.model, "plan_l2_prefetch", None)
-        if plan is not None:  # NOTE: after the fusion too (it replaces weights)
-            plan(l2_budget(self.device))
         self.attention_backend, self.linear_backend = set_backends(
             self.model, drafter, config, mc, self.device)
         activation = 0

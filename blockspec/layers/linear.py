@@ -29,31 +29,20 @@ from blockspec.layers.pdl import pdl_args, pdl_sync
 
 SKINNY_MAX_M = 16  # one sequence's speculative step (block 16)
 SKINNY_MIN_N = 16384
-# NOTE: weight tiles a GEMV program loads before its PDL wait: 2 puts a whole 2048-wide row
-# pair (o_proj, q / kv_a of Moonlight) in flight under the previous kernel; 1 until measured
-# (benchmarks/step_ab.py --ab gemv_preload).
-GEMV_PRELOAD = 1
 
 
 @_jit
 def _rows_span_sum(base, x_ptr, rmask, k_lo, k_hi, BLOCK_K: tl.constexpr,
-                   USE_PDL: tl.constexpr, PRELOAD: tl.constexpr = 1):
+                   USE_PDL: tl.constexpr):
     """sum over k_lo <= k < k_hi of w[rows, k] x[k] (fp32 [BLOCK_N]) for the rows at base.
     NOTE: (k_hi - k_lo) % BLOCK_K == 0 (the caller picks BLOCK_K): no column mask in the loop;
-    the first PRELOAD (1 or 2) weight tiles load before the PDL wait (no kernel writes
-    weights), so under PDL their latency overlaps the previous kernel's end; x waits. The sum
-    runs tile by tile in order whatever PRELOAD is (the same bits)."""
+    the first weight tile loads before the PDL wait (no kernel writes weights), so under PDL
+    its latency overlaps the previous kernel's end; x waits."""
     cols = k_lo + tl.arange(0, BLOCK_K)
     w = tl.load(base + cols[None, :], mask=rmask[:, None], other=0.0)
-    if PRELOAD >= 2:  # a span of one tile masks the second out
-        w2 = tl.load(base + BLOCK_K + cols[None, :],
-                     mask=rmask[:, None] & (BLOCK_K + cols < k_hi)[None, :], other=0.0)
     pdl_sync(USE_PDL)
     acc = w.to(tl.float32) * tl.load(x_ptr + cols)[None, :].to(tl.float32)
-    if PRELOAD >= 2:
-        x2 = tl.load(x_ptr + BLOCK_K + cols, mask=BLOCK_K + cols < k_hi, other=0.0)
-        acc += w2.to(tl.float32) * x2[None, :].to(tl.float32)
-    for k0 in range(k_lo + PRELOAD * BLOCK_K, k_hi, BLOCK_K):
+    for k0 in range(k_lo + BLOCK_K, k_hi, BLOCK_K):
         cols = k0 + tl.arange(0, BLOCK_K)
         w = tl.load(base + cols[None, :], mask=rmask[:, None], other=0.0)
         x = tl.load(x_ptr + cols)
@@ -63,12 +52,12 @@ def _rows_span_sum(base, x_ptr, rmask, k_lo, k_hi, BLOCK_K: tl.constexpr,
 
 @_jit
 def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 USE_PDL: tl.constexpr = False, PRELOAD: tl.constexpr = 1):
+                 USE_PDL: tl.constexpr = False):
     # y[n] = sum_k w[n, k] x[k]: one program per BLOCK_N output features, streaming their rows.
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rmask = rows < N
     y = _rows_span_sum(w_ptr + rows[:, None].to(tl.int64) * K, x_ptr, rmask, 0, K, BLOCK_K,
-                       USE_PDL, PRELOAD)
+                       USE_PDL)
     tl.store(y_ptr + rows, _cast(y, y_ptr.dtype.element_ty), mask=rmask)
 
 
@@ -155,7 +144,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, config: tuple[int, int, int, int] | N
     y = torch.empty(1, n, dtype=out_dtype or x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, bn),)](x, w, y, n, k, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
                                         num_stages=stages, enable_fp_fusion=False,
-                                        PRELOAD=GEMV_PRELOAD, **pdl_args(x.device))
+                                        **pdl_args(x.device))
     return y
 
 

@@ -42,13 +42,14 @@ DEQUANTS = {"convert": 0, "magic": 1, "magic16": 2, "convert_join": 3, "magic16_
 
 
 class Tiles(NamedTuple):
-    """A weight tile's shape, the warps of a program and int4's dequantization (a DEQUANTS
-    key; fp8 ignores it): (BLOCK_N, BLOCK_K, num_warps, dequant)."""
+    """A weight tile's shape, the warps of a program, int4's dequantization (a DEQUANTS key;
+    fp8 ignores it) and the K loop's pipeline stages (Triton's default 3)."""
 
     block_n: int
     block_k: int
     num_warps: int
     dequant: str = "convert"
+    num_stages: int = 3
 
 
 # NOTE: the fastest tiles of `benchmarks/quant_gpu_checks.py --tune` on an H200 at 64 tokens
@@ -231,7 +232,7 @@ def quant_grouped(a: torch.Tensor, w: QuantWeight, slots: Slots, per_token: bool
         FORMAT=FORMATS[w.fmt], GROUP_N=w.group[0], GROUP_K=w.group[1], TOP_K=slots.top_k,
         A_PER_TOKEN=per_token, SCALE=scale is not None, NUM_EXPERTS=experts, BLOCK_M=block_m,
         BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, num_warps=tiles.num_warps,
-        **_dequant(w, a.dtype, tiles.dequant))
+        num_stages=tiles.num_stages, **_dequant(w, a.dtype, tiles.dequant))
     return out
 
 
@@ -252,12 +253,13 @@ def fused_experts_quant(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tenso
                        stats, residual)
 
 
-def quant_linear(x: torch.Tensor, w: QuantWeight, tiles: Tiles | None = None) -> torch.Tensor:
+def quant_linear(x: torch.Tensor, w: QuantWeight, tiles: Tiles | None = None,
+                 block_m: int | None = None) -> torch.Tensor:
     """x [..., K] @ dequant(w).T -> [..., N] in x's dtype (no bias); `tiles` as in
-    quant_grouped."""
+    quant_grouped, `block_m` the rows of a tile (a tuning run)."""
     a = x.reshape(-1, x.shape[-1]).contiguous()
     m = a.shape[0]
-    block_m = BLOCK_M if m <= BLOCK_M else DENSE_BLOCK_M
+    block_m = block_m or (BLOCK_M if m <= BLOCK_M else DENSE_BLOCK_M)
     p = triton.cdiv(max(m, 1), block_m) * block_m
     # NOTE: the rows in order, padded to whole tiles with the sentinel m; one "expert".
     rows = torch.arange(p, device=a.device)

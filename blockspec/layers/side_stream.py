@@ -13,9 +13,8 @@ stream's next work waits for the current stream first (`run_beside`), so a freed
 never overwritten while still being read. The input is read on the side stream while the
 current stream holds it until after the join.
 
-NOTE (joins): a step's side work is joined by the result that needs it (`Pending.wait`) or,
-for work without a result (l2_prefetch.py's hints), by `join_beside` before the step's end: a
-graph capture fails on an unjoined stream. A join covers everything queued beside before it.
+NOTE (joins): side work is joined by the result that needs it (`Pending.wait`) before the
+step's end: a graph capture fails on an unjoined stream.
 
 NOTE (counters): work beside must launch no kernel with arrival counters (arrival.py: the
 router's split GEMV, the opt-in split down projection), whose one buffer a device's kernels
@@ -29,8 +28,6 @@ from collections.abc import Callable
 import torch
 
 _STREAMS: dict[torch.device, torch.cuda.Stream] = {}
-# Devices with side work not joined yet: whether it was queued inside a graph capture.
-_UNJOINED: dict[torch.device, bool] = {}
 
 
 class Pending:
@@ -45,7 +42,6 @@ class Pending:
     def wait(self) -> torch.Tensor:
         if not self.joined:
             self.main.wait_stream(self.side)
-            _UNJOINED.pop(self.side.device, None)
             self.joined = True
         return self.value
 
@@ -68,42 +64,16 @@ def _side_stream(device: torch.device) -> torch.cuda.Stream | None:
     return stream
 
 
-def _beside(fn: Callable[[], object], device: torch.device
-            ) -> tuple[object, torch.cuda.Stream, torch.cuda.Stream] | None:
-    """(fn()'s result, the side stream, the current one), fn run on the device's side stream
-    after everything the current stream has queued and recorded as unjoined; None where no side
-    stream can be had (off CUDA, a capture before the first): nothing ran."""
-    side = _side_stream(device) if device.type == "cuda" else None
-    if side is None:
-        return None
-    main = torch.cuda.current_stream(device)
-    side.wait_stream(main)
-    with torch.cuda.stream(side):
-        value = fn()
-    _UNJOINED[side.device] = torch.cuda.is_current_stream_capturing()
-    return value, side, main
-
-
 def run_beside(fn: Callable[[torch.Tensor], torch.Tensor],
                x: torch.Tensor) -> torch.Tensor | Pending:
     """fn(x) on the device's side stream, after everything the current stream has queued: a
     Pending whose wait() the caller must reach (a graph capture fails on an unjoined stream).
     Off CUDA, fn(x)."""
-    ran = _beside(lambda: fn(x), x.device)
-    return fn(x) if ran is None else Pending(*ran)
-
-
-def start_beside(fn: Callable[[], None], device: torch.device) -> bool:
-    """fn() on the device's side stream, after everything the current stream has queued, for
-    work without a result (joined by the next join, `join_beside` at the latest); False where
-    no side stream can be had (off CUDA, a capture before the first): nothing ran."""
-    return _beside(fn, device) is not None
-
-
-def join_beside(device: torch.device) -> None:
-    """Joins the device's side stream into the current one where side work is unjoined. NOTE:
-    work queued outside the running capture (or inside one, when none runs now) is only
-    forgotten: a capture cannot wait on it, and such work (hints) needs no join."""
-    captured = _UNJOINED.pop(device, None)
-    if captured is not None and captured == torch.cuda.is_current_stream_capturing():
-        torch.cuda.current_stream(device).wait_stream(_STREAMS[device])
+    side = _side_stream(x.device) if x.is_cuda else None
+    if side is None:
+        return fn(x)
+    main = torch.cuda.current_stream(x.device)
+    side.wait_stream(main)
+    with torch.cuda.stream(side):
+        value = fn(x)
+    return Pending(value, side, main)

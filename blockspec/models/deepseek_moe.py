@@ -7,14 +7,10 @@ import torch
 from torch import nn
 
 from blockspec.config import ModelConfig
-from blockspec.layers.fused import fused_add_rms_norm, rms_norm
 from blockspec.layers.fused_moe import fused_experts
-from blockspec.layers.l2_prefetch import prefetch_next
 from blockspec.layers.linear import Linear
-from blockspec.layers.moe import count_experts, experts_reference, pick_experts, route_tokens
+from blockspec.layers.moe import count_experts, experts_reference, route_tokens
 from blockspec.layers.moe_decode import folds_shared
-from blockspec.layers.norm_gemv import NormedInput
-from blockspec.layers.norm_router import folds_router, norm_router
 from blockspec.layers.side_stream import Residual, resolve, run_beside
 from blockspec.models.qwen3 import MLP
 
@@ -74,28 +70,12 @@ class MoE(nn.Module):
         # (runs_shared_beside); off, they fold into the routed launches where they can;
         # benchmarks/step_ab.py turns it off for its A/B.
         self.shared_beside = True
-        # NOTE: the next layer's weights asked of L2 after the shared experts, beside
-        # (layers/l2_prefetch.py, `+next` modes); the model's plan_l2_prefetch sets them.
-        self.l2_prefetch_next: tuple[torch.Tensor, ...] = ()
-        # NOTE: the layer's post-attention norm folded into the router at one token
-        # (layers/norm_router.py): opt-in until measured (benchmarks/step_ab.py --ab
-        # router_norm).
-        self.fold_input_norm = False
         # [distinct experts the forwards' tokens selected, forwards], summed on the device (no
         # host sync; a graph captures the adds) and read by the engine after a step.
         self.register_buffer("expert_counts", torch.zeros(2, dtype=torch.int64),
                              persistent=False)
 
-    def folds_input_norm(self, h: torch.Tensor, norm_weight: torch.Tensor) -> bool:
-        """Whether forward takes its input before the post-attention RMSNorm (a NormedInput)
-        and applies the norm in the router's GEMV (norm_router.folds_router)."""
-        return self.fold_input_norm and self.experts_backend == "triton" \
-            and folds_router(h, norm_weight, self.gate.weight)
-
-    def forward(self, x: torch.Tensor | NormedInput) -> torch.Tensor:
-        logits = None
-        if isinstance(x, NormedInput):  # NOTE: folds_input_norm said so
-            logits, x = self._norm_and_route(x)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         beside = self.runs_shared_beside(x)
         fold = None if beside else self.shared_fold(x.shape[0] * self.moe.num_experts_per_tok)
         shared = None
@@ -103,32 +83,14 @@ class MoE(nn.Module):
             # NOTE: beside the routing and the routed gate_up (layers/side_stream.py), joined
             # by the routed down projection, which adds it (one launch fewer), in x's dtype as
             # `routed + shared` rounds.
-            shared = run_beside(self._shared_then_next, x) if beside else self.shared_experts(x)
-        bias = self.gate.e_score_correction_bias
-        weights, ids = route_tokens(x, self.gate.weight, bias, self.moe, self.experts_backend) \
-            if logits is None else pick_experts(logits, bias, self.moe, x.dtype)
+            shared = run_beside(self.shared_experts, x) if beside else self.shared_experts(x)
+        weights, ids = route_tokens(x, self.gate.weight, self.gate.e_score_correction_bias,
+                                    self.moe, self.experts_backend)
         if fold is not None:
             return self.experts(x, weights, ids, self.experts_backend, self.expert_counts,
                                 shared=fold)
         out = self.experts(x, weights, ids, self.experts_backend, self.expert_counts, shared)
         resolve(shared)  # NOTE: joined already where the experts added it; a no-op then
-        return out
-
-    def _norm_and_route(self, inp: NormedInput) -> tuple[torch.Tensor | None, torch.Tensor]:
-        """(router logits or None, the normed input), inp.new_residual written."""
-        out = norm_router(inp, self.gate.weight)
-        if out is not None:
-            return out
-        # NOTE: no arrival counters at hand (a capture would allocate them): apart
-        if inp.residual is None:
-            return None, rms_norm(inp.h, inp.weight, inp.eps)
-        x, residual = fused_add_rms_norm(inp.h, inp.residual, inp.weight, inp.eps)
-        inp.new_residual.copy_(residual)
-        return None, x
-
-    def _shared_then_next(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.shared_experts(x)
-        prefetch_next(self.l2_prefetch_next, x)
         return out
 
     def runs_shared_beside(self, x: torch.Tensor) -> bool:

@@ -20,12 +20,10 @@ from torch import nn
 from blockspec.config import ModelConfig
 from blockspec.layers.attention import AttentionMetadata, PagedAttention
 from blockspec.layers.fused import rms_norm
-from blockspec.layers.l2_prefetch import plan_prefetch, prefetch_beside
 from blockspec.layers.linear import Linear, linear
 from blockspec.layers.mla_absorb import absorb
 from blockspec.layers.mla_one_token import absorb_merge, absorb_rope_norm
 from blockspec.layers.norm import RMSNorm
-from blockspec.layers.norm_gemv import NormedInput, folds, norm_gemv
 from blockspec.layers.rotary import RotaryEmbedding, yarn_mscale
 from blockspec.models.deepseek_moe import Experts, MoE, TopkRouter  # noqa: F401 - re-exported
 from blockspec.models.mla_rope_rows import permute_rope_rows, permutes_rope_at_load
@@ -73,13 +71,6 @@ class MLAttention(nn.Module):
         # NOTE: one latent "KV head"; the runner binds the same tensor as K and V cache.
         self.attn = PagedAttention(self.num_heads, 1, mla.latent_dim, mla_softmax_scale(cfg))
         self.input_weight: torch.Tensor | None = None  # fuse_input_projections'
-        # NOTE: weights read later in the layer, asked of L2 beside the latency-bound kernels
-        # after the input projections (layers/l2_prefetch.py); the model's plan_l2_prefetch
-        # sets them once the weights are loaded.
-        self.l2_prefetch: tuple[torch.Tensor, ...] = ()
-        # NOTE: the layer's input norm folded into the fused input projections at one token
-        # (layers/norm_gemv.py): opt-in until measured (benchmarks/step_ab.py --ab norm_fold).
-        self.fold_input_norm = False
 
     def _input_projections(self) -> tuple[nn.Module, nn.Module]:
         """The two projections of the layer's input: (q_proj or q_a_proj, kv_a_proj)."""
@@ -102,29 +93,12 @@ class MLAttention(nn.Module):
         self.input_weight = fused
         return True
 
-    def _fused_input_weight(self) -> torch.Tensor | None:
-        """input_weight while both projections are still its views, else None."""
+    def _project_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q_proj(x) or q_a_proj(x), kv_a_proj(x)): one product where they are fused."""
         q, kv = self._input_projections()
         w = self.input_weight
         if w is not None and q.weight.data_ptr() == w.data_ptr() \
                 and kv.weight.data_ptr() == w[q.out_features:].data_ptr():
-            return w
-        return None
-
-    def folds_input_norm(self, h: torch.Tensor, norm_weight: torch.Tensor) -> bool:
-        """Whether forward takes its input before the layer's RMSNorm (a NormedInput) and
-        applies the norm in the fused input projections (norm_gemv.folds)."""
-        w = self._fused_input_weight() if self.fold_input_norm else None
-        return w is not None and folds(h, norm_weight, w, self._input_projections()[1].backend)
-
-    def _project_input(self, x: torch.Tensor | NormedInput
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(q_proj(x) or q_a_proj(x), kv_a_proj(x)): one product where they are fused."""
-        q, kv = self._input_projections()
-        w = self._fused_input_weight()
-        if isinstance(x, NormedInput):  # NOTE: folds_input_norm said so: w is fused
-            return norm_gemv(x, w).split([q.out_features, kv.out_features], 1)
-        if w is not None:
             return linear(x, w, None, kv.backend).split([q.out_features, kv.out_features], 1)
         return q(x), kv(x)
 
@@ -135,13 +109,11 @@ class MLAttention(nn.Module):
             q = self.q_b_proj(rms_norm(q, norm.weight, norm.eps))
         return q.view(-1, self.num_heads, self.qk_head_dim)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor | NormedInput,
+    def forward(self, positions: torch.Tensor, x: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        q, kv = self._project_input(x)
-        x = x.h if isinstance(x, NormedInput) else x  # NOTE: its shape, dtype and device
         mla, h, t = self.mla, self.num_heads, x.shape[0]
         nope, rank = mla.qk_nope_head_dim, mla.kv_lora_rank
-        prefetch_beside(self.l2_prefetch, x)
+        q, kv = self._project_input(x)
         q = self._queries(q)
         w_uk, w_uv = self.kv_b_proj.weight.view(h, -1, rank).split([nope, mla.v_head_dim], dim=1)
         # NOTE: the attention query [absorbed q_nope, roped q_pe] and the cache entry [normed
@@ -211,28 +183,6 @@ class DeepseekV3ForCausalLM(CausalLM):
         engine calls it once the weights are loaded and sharded. Returns the layers fused."""
         return sum(m.fuse_input_projections() for m in self.modules()
                    if isinstance(m, MLAttention))  # NOTE: wrapped under tensor parallelism
-
-    def plan_l2_prefetch(self, budget: int) -> int:
-        """Each MoE layer with shared experts asks L2 for its o_proj, router and shared
-        experts' weights beside its attention (MLAttention.l2_prefetch), and for the next
-        layer's fused input projections after its shared experts (MoE.l2_prefetch_next), as
-        many as fit `budget` bytes (l2_prefetch.l2_budget), in that order; the engine calls it
-        once the weights are loaded, sharded and fused. Returns the layers planned."""
-        planned, layers = 0, list(self.model.layers)
-        if budget <= 0:  # NOTE: off CUDA (l2_budget 0): nothing to plan
-            return 0
-        for layer, after in zip(layers, layers[1:] + [None]):
-            mlp = layer.mlp
-            if not isinstance(mlp, MoE) or not isinstance(mlp.shared_experts, MLP):
-                continue
-            shared = mlp.shared_experts
-            weights = [getattr(m, "weight", None) for m in
-                       (layer.self_attn.o_proj, mlp.gate, shared.gate_up_proj, shared.down_proj)]
-            layer.self_attn.l2_prefetch = plan_prefetch(weights, budget)
-            following = [] if after is None else [getattr(after.self_attn, "input_weight", None)]
-            mlp.l2_prefetch_next = plan_prefetch(following, budget)
-            planned += bool(layer.self_attn.l2_prefetch)
-        return planned
 
     def expert_counts(self) -> torch.Tensor:
         """[distinct routed experts selected, MoE layer forwards], summed over every MoE layer

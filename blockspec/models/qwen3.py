@@ -16,10 +16,8 @@ from blockspec.layers.fused import fused_add_rms_norm, rms_norm
 from blockspec.layers.gated_gemv import silu_gate_up
 from blockspec.layers.linear import Linear
 from blockspec.layers.norm import RMSNorm
-from blockspec.layers.norm_gemv import NormedInput
 from blockspec.layers.qk_norm_rope import qk_norm_rope_store
 from blockspec.layers.rotary import RotaryEmbedding
-from blockspec.layers.side_stream import join_beside
 
 
 class Attention(nn.Module):
@@ -78,21 +76,6 @@ class DecoderLayer(nn.Module):
     # each RMSNorm.
 
 
-def _normed(reader: nn.Module | None, h: torch.Tensor, residual: torch.Tensor | None,
-            norm: RMSNorm) -> tuple[torch.Tensor | NormedInput, torch.Tensor]:
-    """(norm(h + residual), h + residual) for `reader`, or where its `folds_input_norm` says so
-    a NormedInput that its first kernel normalises (norm_gemv.py, norm_router.py), which also
-    writes the new residual: that tensor only holds it once the reader has run."""
-    folds = getattr(reader, "folds_input_norm", None)
-    if folds is not None and folds(h, norm.weight):
-        x = NormedInput(h, residual, norm.weight, norm.eps,
-                        h if residual is None else torch.empty_like(h))
-        return x, x.new_residual
-    if residual is None:
-        return rms_norm(h, norm.weight, norm.eps), h
-    return fused_add_rms_norm(h, residual, norm.weight, norm.eps)
-
-
 class DecoderModel(nn.Module):
     """The layers of `layer_cls(cfg, rotary, index)`; each has input_layernorm, self_attn,
     post_attention_layernorm and mlp."""
@@ -118,18 +101,19 @@ class DecoderModel(nn.Module):
         # NOTE: the residual add is fused into the next RMSNorm, so the output of layer i - 1
         # (h + residual) only exists inside layer i, right after that add.
         for i, layer in enumerate(self.layers):
-            # NOTE: never folded on the stop layer: its residual (the tap) must exist here
-            x, residual = _normed(layer.self_attn if i != stop else None, h, residual,
-                                  layer.input_layernorm)
+            norm = layer.input_layernorm
+            if residual is None:
+                x, residual = rms_norm(h, norm.weight, norm.eps), h
+            else:
+                x, residual = fused_add_rms_norm(h, residual, norm.weight, norm.eps)
             if i - 1 in hidden_layer_ids:
                 taps[i - 1] = residual
             if i == stop:
-                join_beside(h.device)
                 return None, [taps[j] for j in hidden_layer_ids]
             x = layer.self_attn(positions, x, meta)
-            x, residual = _normed(layer.mlp, x, residual, layer.post_attention_layernorm)
+            norm = layer.post_attention_layernorm
+            x, residual = fused_add_rms_norm(x, residual, norm.weight, norm.eps)
             h = layer.mlp(x)
-        join_beside(h.device)  # NOTE: side work without a result (side_stream.py)
         out, _ = fused_add_rms_norm(h, residual, self.norm.weight, self.norm.eps)
         # NOTE: HF's last hidden_states entry is after the final norm.
         taps[len(self.layers) - 1] = out
