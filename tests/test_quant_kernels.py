@@ -89,6 +89,21 @@ def test_quant_linear_matches_dequantized_matmul(fmt, m):
     torch.testing.assert_close(quant_linear(x, w), x @ dense.T, **TOL)
 
 
+@pytest.mark.parametrize("m", [3, 130, 300])
+def test_fp8_dense_tiles_by_rows(m):
+    """Each of FP8_DENSE_TILES' row ranges (decode: K 256 a step over 128-column scale groups;
+    128-row tiles; 256 weight rows a tile) against the dequantized matmul, N and M past one
+    tile with ragged edges."""
+    from blockspec.layers.quant_gemm import FP8_DENSE_TILES, dense_tiles
+
+    assert dense_tiles(m, "fp8") in [(bm, t) for _, bm, t in FP8_DENSE_TILES]
+    assert dense_tiles(m, "int4")[1].dequant == "magic16"  # int4 keeps the grouped GEMM's
+    g = torch.Generator().manual_seed(m)
+    w = fp8((272,), 512, (128, 128), g)
+    x = torch.randn(m, w.k, generator=g)
+    torch.testing.assert_close(quant_linear(x, w), x @ ref_fp8(w).T, **TOL)
+
+
 def test_k_tiles_hold_whole_scale_groups_or_lie_in_one():
     from blockspec.layers.quant_gemm import _k_tile
 

@@ -58,6 +58,15 @@ class Tiles(NamedTuple):
 # ones ran 1.3-1.4x faster than "convert" but their outputs differed from it on the H200 (not
 # in the interpreter), so they stay opt-in until that is understood.
 DEFAULT_TILES = {"int4": Tiles(64, 128, 4, "magic16"), "fp8": Tiles(64, 128, 4)}
+# NOTE: dense FP8 layers' (most rows, rows a tile, Tiles), the fastest of
+# `benchmarks/fp8_tune.py` on an H200 at DeepSeek-V3's gate_up, down, q_b and o_proj
+# (2026-12-07; docs/benchmarks.md): at 1-16 rows, 64 x 256 tiles within 6% of the best on each
+# (17% less time over the four than DEFAULT_TILES'); at 128 rows, 128-row tiles of 64 x 128 on
+# 8 warps (best, or within 7%); from 512 rows, 128 x 256 x 128 (best on all four, 1.6-2.0x
+# faster than 64-row tiles of DEFAULT_TILES). int4 dense layers keep the grouped GEMM's tiles.
+FP8_DENSE_TILES = ((16, 16, Tiles(64, 256, 4, num_stages=4)),
+                   (256, 128, Tiles(64, 128, 8, num_stages=4)),
+                   (None, 128, Tiles(256, 128, 8)))
 
 
 @triton.jit
@@ -253,13 +262,23 @@ def fused_experts_quant(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tenso
                        stats, residual)
 
 
+def dense_tiles(m: int, fmt: str) -> tuple[int, Tiles]:
+    """(rows a tile, Tiles) for a dense layer of weight format `fmt` at m rows."""
+    if fmt == "fp8":
+        for most, block_m, tiles in FP8_DENSE_TILES:
+            if most is None or m <= most:
+                return block_m, tiles
+    return (BLOCK_M if m <= BLOCK_M else DENSE_BLOCK_M), DEFAULT_TILES[fmt]
+
+
 def quant_linear(x: torch.Tensor, w: QuantWeight, tiles: Tiles | None = None,
                  block_m: int | None = None) -> torch.Tensor:
-    """x [..., K] @ dequant(w).T -> [..., N] in x's dtype (no bias); `tiles` as in
-    quant_grouped, `block_m` the rows of a tile (a tuning run)."""
+    """x [..., K] @ dequant(w).T -> [..., N] in x's dtype (no bias); `tiles` and `block_m` (the
+    rows of a tile) override dense_tiles' (a tuning run)."""
     a = x.reshape(-1, x.shape[-1]).contiguous()
     m = a.shape[0]
-    block_m = block_m or (BLOCK_M if m <= BLOCK_M else DENSE_BLOCK_M)
+    default_m, default_tiles = dense_tiles(m, w.fmt)
+    tiles, block_m = tiles or default_tiles, block_m or default_m
     p = triton.cdiv(max(m, 1), block_m) * block_m
     # NOTE: the rows in order, padded to whole tiles with the sentinel m; one "expert".
     rows = torch.arange(p, device=a.device)
