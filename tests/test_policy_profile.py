@@ -274,12 +274,13 @@ def test_plain_ab_smoke(tmp_path):
     assert all(0.0 <= v <= 1.0 for v in res["table_adjacency"].values())
     # Against a fixed block on the same engine: both configs' steps counted apart.
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "plain_ab.py"), "--smoke",
-                           "--pairs", "2", "--reference", "fixed:4", "--out-dir",
+                           "--pairs", "1", "--reference", "fixed:4", "--out-dir",
                            str(tmp_path / "fixed")], env=env, cwd=REPO,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     res = json.loads((tmp_path / "fixed" / "plain_ab.json").read_text())
     assert res["reference"] == "fixed 4" and set(res["profiles"]) == {"fixed 4", "adaptive"}
+    assert len(res["pairs"]) == 1
     for pair in res["pairs"]:
         assert 0 < pair["fixed 4"]["steps"]["steps"] <= 15
         assert 0 < pair["adaptive"]["steps"]["steps"] <= 15
