@@ -30,14 +30,8 @@ def _split_gemv_kernel(x_ptr, w_ptr, y_ptr, part_ptr, lock_ptr, N, K, K_SPLIT,
     rmask = rows < N
     part = _rows_span_sum(w_ptr + rows[:, None].to(tl.int64) * K, x_ptr, rmask, split * K_SPLIT,
                           (split + 1) * K_SPLIT, BLOCK_K, USE_PDL)
-    _store_split(part, part_ptr, y_ptr, lock_ptr + block, rows, rmask, N, BLOCK_N)
-
-
-@_jit
-def _store_split(part, part_ptr, y_ptr, lock, rows, rmask, N, BLOCK_N: tl.constexpr):
-    """Stores this split's partial sums of `rows`; the last split of the row block to arrive at
-    `lock` adds every split's partials in split order into y and resets the counter."""
-    tl.store(part_ptr + tl.program_id(1) * N + rows, part, mask=rmask)
+    tl.store(part_ptr + split * N + rows, part, mask=rmask)
+    lock = lock_ptr + block
     splits = tl.num_programs(1)
     if _last_to_arrive(lock, splits):
         total = tl.zeros([BLOCK_N], dtype=tl.float32)
