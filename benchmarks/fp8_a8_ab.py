@@ -23,6 +23,7 @@ import argparse
 import datetime
 import json
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -96,18 +97,25 @@ def shape_rows(n: int, k: int, g: torch.Generator) -> list[dict]:
     return rows
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def run_shapes(script: str, doc: str, rows_of: Callable[[int, int, torch.Generator], list]
+               ) -> int:
+    """`script`'s main (benchmarks/fp8_tune.py's too): `rows_of(n, k, generator)` for each of
+    SHAPES, the JSON rewritten to --out after each shape with the run's provenance."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
-    res: dict = {"command": recorded_command("benchmarks/fp8_a8_ab.py"), "commit": git_commit(),
+    res: dict = {"command": recorded_command(script), "commit": git_commit(),
                  "device": torch.cuda.get_device_name(), "torch": torch.__version__,
                  "date": datetime.date.today().isoformat(), "shapes": {}}
     g = torch.Generator(device="cuda").manual_seed(0)
     for name, n, k in SHAPES:
-        res["shapes"][name] = {"n": n, "k": k, "rows": shape_rows(n, k, g)}
+        res["shapes"][name] = {"n": n, "k": k, "rows": rows_of(n, k, g)}
         Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
     return 0
+
+
+def main() -> int:
+    return run_shapes("benchmarks/fp8_a8_ab.py", __doc__, shape_rows)
 
 
 if __name__ == "__main__":

@@ -19,21 +19,16 @@ Usage: python benchmarks/fp8_tune.py --out FILE.json
 
 from __future__ import annotations
 
-import argparse
-import datetime
 import itertools
-import json
 import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 # NOTE: this script's folder is on sys.path when run as a script
-from fp8_a8_ab import E4M3_MAX, ROWS, SHAPES
+from fp8_a8_ab import E4M3_MAX, ROWS, run_shapes
 from quant_gpu_checks import random_weight, rel_err
 
-from blockspec.bench.common import git_commit, recorded_command
 from blockspec.bench.gpu_timing import graph_ms
 from blockspec.layers.quant_dequant import dequantize
 from blockspec.layers.quant_gemm import Tiles, quant_linear
@@ -121,17 +116,7 @@ def shape_rows(n: int, k: int, g: torch.Generator) -> list[dict]:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", required=True)
-    args = ap.parse_args()
-    res: dict = {"command": recorded_command("benchmarks/fp8_tune.py"), "commit": git_commit(),
-                 "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                 "date": datetime.date.today().isoformat(), "shapes": {}}
-    g = torch.Generator(device="cuda").manual_seed(0)
-    for name, n, k in SHAPES:
-        res["shapes"][name] = {"n": n, "k": k, "rows": shape_rows(n, k, g)}
-        Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
-    return 0
+    return run_shapes("benchmarks/fp8_tune.py", __doc__, shape_rows)
 
 
 if __name__ == "__main__":
