@@ -105,12 +105,7 @@ def route_tokens(x: torch.Tensor, gate_weight: torch.Tensor,
     NOTE: the router GEMV and the routing stay two launches: one kernel whose last program
     routed the row measured 3% slower on Moonlight's batch-1 step (H100, 2.78 against 2.70 ms;
     docs/benchmarks.md, "MoE targets")."""
-    return pick_experts(router_logits(x, gate_weight, backend), correction_bias, moe, x.dtype)
-
-
-def pick_experts(logits: torch.Tensor, correction_bias: torch.Tensor | None, moe,
-                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """route_tokens' picks from the router's fp32 logits [T, E]: (weights in `dtype`, ids)."""
+    logits = router_logits(x, gate_weight, backend)
     if moe.scoring_func == "softmax":
         weights, ids = select_experts_softmax(
             logits, moe.num_experts_per_tok, moe.n_group, moe.topk_group,
@@ -118,5 +113,5 @@ def pick_experts(logits: torch.Tensor, correction_bias: torch.Tensor | None, moe
     else:
         weights, ids = select_experts(logits, correction_bias, moe.num_experts_per_tok,
                                       moe.n_group, moe.topk_group, moe.norm_topk_prob,
-                                      moe.routed_scaling_factor, dtype)
-    return weights.to(dtype), ids
+                                      moe.routed_scaling_factor, x.dtype)
+    return weights.to(x.dtype), ids
