@@ -81,17 +81,10 @@ def _residual_sum(x_row, res_row, new_res_row, cols, mask, dtype: tl.constexpr,
 
 
 @_jit
-def _norm_value(w_ptr, h, rstd, cols, mask, dtype: tl.constexpr):
-    """The normed values at cols, fp32 before the output's rounding. NOTE: HF order:
-    normalise in fp32, cast to the input dtype, then scale by the weight."""
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    return w * _rnd(h * rstd, dtype)
-
-
-@_jit
 def _norm_store(y_row, w_ptr, h, rstd, cols, mask, dtype: tl.constexpr):
-    tl.store(y_row + cols, _cast(_norm_value(w_ptr, h, rstd, cols, mask, dtype),
-                                 y_row.dtype.element_ty), mask=mask)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    # NOTE: HF order: normalise in fp32, cast to the input dtype, then scale by the weight.
+    tl.store(y_row + cols, _cast(w * _rnd(h * rstd, dtype), y_row.dtype.element_ty), mask=mask)
 
 
 @_jit
