@@ -9,6 +9,12 @@ adaptive engine chose.
 
     python benchmarks/kimi_compare.py --out-dir DIR            # 8 GPUs (nvidia-h200-x8)
     python benchmarks/kimi_compare.py --out-dir DIR --smoke    # CPU, a tiny shape, gloo ranks
+    python benchmarks/kimi_compare.py --out-dir DIR --layouts tp1 --moe-layers 5  # one GPU
+
+`--moe-layers N` cuts the target to its first N + 1 layers (the dense one, then N MoE layers: 5
+fit an 80 GB GPU with the drafter) for a dry run on fewer GPUs; the drafter then reads target
+layers spread over the cut (the published ids need 59), and the bytes model counts the cut's
+own weights.
 """
 
 from __future__ import annotations
@@ -30,8 +36,10 @@ from blockspec.bench.compare import (
 )
 from blockspec.bench.moe_shapes import (
     KIMI_DRAFTER,
+    KIMI_INT4,
     distinct_experts,
     kimi_k26,
+    kimi_slice,
     write_moe_folders,
 )
 from blockspec.bench.report import _levels
@@ -42,12 +50,26 @@ DEPLOYMENT_TAU = 3.8
 DENSE_GB, EXPERT_GB = 23.0, 60 * 3 * 7168 * 2048 * (0.5 + 2 / 32) / 1e9
 
 
-def bytes_model_c1(tau: float, block: int) -> float:
+def bytes_model_c1(tau: float, block: int, dense_gb: float = DENSE_GB,
+                   expert_gb: float = EXPERT_GB) -> float:
     """DFlash / AR at batch 1 by the bytes a step reads under uniform routing (the drafter's
-    own bytes left out: an upper bound)."""
+    own bytes left out: an upper bound); `expert_gb`: one selected expert over all MoE layers."""
     def step(t: int) -> float:
-        return DENSE_GB + EXPERT_GB * distinct_experts(384, 8, t)
+        return dense_gb + expert_gb * distinct_experts(384, 8, t)
     return tau / (step(block) / step(1))
+
+
+def cut_gb(target: Path) -> tuple[float, float]:
+    """(bytes outside the routed experts, one expert over the MoE layers) of a cut target, in
+    GB, from its own parameters (built on the meta device: no memory)."""
+    import torch
+
+    from blockspec.bench.moe_shapes import expert_bytes
+    from blockspec.config import ModelConfig
+    from blockspec.models.loader import build_model
+
+    parts = expert_bytes(build_model(ModelConfig.from_pretrained(target), torch.bfloat16, "meta"))
+    return parts["dense"] / 1e9, parts["per_expert"] * parts["moe_layers"] / 1e9
 
 
 def smoke_shape() -> dict:
@@ -67,7 +89,8 @@ def chosen_block(level: dict) -> int:
     return max(cells, key=cells.get) if cells else 1
 
 
-def headline(results: dict, acceptances: list[float]) -> dict:
+def headline(results: dict, acceptances: list[float],
+             gb: tuple[float, float] = (DENSE_GB, EXPERT_GB)) -> dict:
     """Per acceptance: DFlash's best layout over the best AR at C=1, its minimum over C, and the
     bytes model's C=1 prediction for the block it chose."""
     best = {c: tok for c, (tok, _) in sorted(best_plain(results).items())}
@@ -84,7 +107,7 @@ def headline(results: dict, acceptances: list[float]) -> dict:
         tau = (_levels(c1)[first].get("acceptance") or {}).get("mean_acceptance_length") or 1.0
         out[f"a{a:g}"] = {"dflash_c1_vs_best_ar": ratios[first], "min_ratio_vs_best_ar":
                           min(ratios.values()), "by_concurrency": ratios, "c1_block": block,
-                          "c1_tau": tau, "bytes_model_c1": bytes_model_c1(tau, block)}
+                          "c1_tau": tau, "bytes_model_c1": bytes_model_c1(tau, block, *gb)}
     return out
 
 
@@ -96,8 +119,12 @@ def main(argv: list[str] | None = None) -> int:
                     help="default 1,2,4,8,16,32,64,128,256 (smoke: 1,2)")
     ap.add_argument("--acceptances", default="auto,0.86",
                     help=f"synthetic a per DFlash row; auto: block 8 commits {DEPLOYMENT_TAU}")
+    ap.add_argument("--moe-layers", type=int, default=None,
+                    help="cut the target to the dense layer + N MoE layers (a dry run)")
     ap.add_argument("--smoke", action="store_true", help="CPU: a tiny shape over gloo ranks")
     a = ap.parse_args(argv)
+    if a.moe_layers is not None and (a.smoke or a.moe_layers < 1):
+        ap.error("--moe-layers takes N >= 1, and not with --smoke (its shape is tiny already)")
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     block = KIMI_DRAFTER["block_size"]
@@ -106,10 +133,15 @@ def main(argv: list[str] | None = None) -> int:
     layouts = parse_layouts(a.layouts or ("tp1,tp2" if a.smoke else "tp8,ep8,ep4x2"))
     conc = a.concurrency or ("1,2" if a.smoke else "1,2,4,8,16,32,64,128,256")
     with tempfile.TemporaryDirectory() as d:
-        ids = None if a.smoke else KIMI_DRAFTER["target_layer_ids"]
+        full = not a.smoke and a.moe_layers is None
+        ids = KIMI_DRAFTER["target_layer_ids"] if full else None
+        shape = smoke_shape() if a.smoke else kimi_k26()
+        if a.moe_layers is not None:
+            shape = {**kimi_slice(a.moe_layers), "quantization_config": KIMI_INT4}
         target, drafter = write_moe_folders(
-            Path(d), "kimi-k2.6-shape", smoke_shape() if a.smoke else kimi_k26(),
-            1 if a.smoke else KIMI_DRAFTER["draft_layers"], block, ids)
+            Path(d), "kimi-k2.6-shape", shape, 1 if a.smoke else KIMI_DRAFTER["draft_layers"],
+            block, ids)
+        gb = (DENSE_GB, EXPERT_GB) if a.moe_layers is None else cut_gb(target)
         plan = configs(layouts, "off", None)
         for acc in accs:
             plan += [(f"{n}_a{acc:g}", f"{lab} [SYNTHETIC acceptance a={acc:g}]", flags)
@@ -128,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
     print(write_comparison(results, out))
     summary = {"benchmark": "kimi_compare", "command": recorded_command(
         "benchmarks/kimi_compare.py"), "environment": environment(), "smoke": a.smoke,
-        "acceptances": accs, "failed": failed, "headline": headline(results, accs)}
+        "moe_layers": a.moe_layers or shape.get("num_hidden_layers", 1) - 1, "bytes_gb": gb,
+        "acceptances": accs, "failed": failed, "headline": headline(results, accs, gb)}
     (out / "kimi_compare.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(json.dumps(summary["headline"], indent=1))
     return 1 if failed else 0

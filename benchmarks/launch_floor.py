@@ -10,6 +10,10 @@ allowed to launch on a program's entry, the decode path's way (layers/pdl.py), a
 or at its exit) and without, at grids of 1, one per SM and eight per SM programs of
 4 warps; each is the median of 50 replays (after 5). Per link: the replay over N.
 
+Against it, the persistent alternative (a kernel per layer or step): one grid of a program an
+SM running N phases, each a grid barrier (an atomic a program, then polling) and the same reads
+after it, or before it (weights a phase can read while it waits).
+
 Usage: python benchmarks/launch_floor.py --out FILE.json [--links 343,162]
 """
 
@@ -50,6 +54,61 @@ def _link_kernel(src, dst, weights, sink, USE_PDL: tl.constexpr, TRIGGER: tl.con
         tl.store(dst, tl.load(src) + 1)
     if USE_PDL and TRIGGER == 1:
         tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def _phases_kernel(counter, weights, sink, phases, spin_limit, WORK: tl.constexpr,
+                   PREFETCH: tl.constexpr):
+    """One persistent grid (every program resident) running `phases` phases, each a grid
+    barrier on `counter` (one atomic a program, then polling until all have arrived) and
+    `WORK` int32 a program read from `weights`: after the barrier (a kernel link's reads
+    of its predecessor's output), or with PREFETCH before it (weights, which no phase writes:
+    what a persistent kernel can overlap with the wait). `counter` ends at phases x programs
+    when no poll gave up after `spin_limit` tries."""
+    pid = tl.program_id(0)
+    n = tl.num_programs(0)
+    acc = tl.zeros([1024], dtype=tl.int32)
+    for i in range(phases):
+        base = weights + (i * n + pid).to(tl.int64) * WORK
+        if PREFETCH:
+            for k in range(0, WORK, 1024):
+                acc += tl.load(base + k + tl.arange(0, 1024))
+        tl.debug_barrier()
+        tl.atomic_add(counter, 1, sem="release")
+        seen = tl.atomic_add(counter, 0, sem="acquire")
+        tries = 0
+        while (seen < (i + 1) * n) & (tries < spin_limit):
+            seen = tl.load(counter, volatile=True)
+            tries += 1
+        tl.debug_barrier()
+        if not PREFETCH:
+            for k in range(0, WORK, 1024):
+                acc += tl.load(base + k + tl.arange(0, 1024))
+    tl.store(sink + pid, tl.sum(acc, 0))
+
+
+def phases_ms(phases: int, programs: int, work: int, prefetch: bool, dev: torch.device
+              ) -> tuple[float, bool]:
+    """(median replay ms of one graph-captured persistent kernel of `phases` grid barriers,
+    whether every replay's barriers all completed)."""
+    counter = torch.zeros(1, dtype=torch.int32, device=dev)
+    weights = torch.ones(max(1, phases * programs * work), dtype=torch.int32, device=dev)
+    sink = torch.empty(programs, dtype=torch.int32, device=dev)
+
+    def run() -> None:
+        counter.zero_()
+        _phases_kernel[(programs,)](counter, weights, sink, phases, 1 << 22, WORK=work,
+                                    PREFETCH=prefetch, num_warps=4)
+
+    run()  # compiles
+    torch.cuda.synchronize()
+    stream = torch.cuda.Stream()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream), torch.cuda.graph(graph, stream=stream):
+        run()
+    times = sorted(event_times(graph.replay, 50, warmup=5))
+    torch.cuda.synchronize()
+    return times[len(times) // 2], int(counter.item()) == phases * programs
 
 
 MODES = {"pdl_entry": (True, 0), "pdl_after_store": (True, 1), "pdl_at_exit": (True, 2),
@@ -111,6 +170,15 @@ def main() -> int:
             res["rows"].append(row)
             print(f"{links} links x {programs} programs x {work} int32, {mode}: {ms:.4f} ms, "
                   f"{row['us_per_link']:.2f} us a link, chain ok {row['chain_ok']}")
+    # NOTE: one program an SM, so every program is resident and the barriers cannot deadlock
+    for links, work, prefetch in [(int(n), int(w), p) for n in args.links.split(",")
+                                  for w in args.work.split(",") for p in (False, True)]:
+        ms, ok = phases_ms(links, sms, work, prefetch, dev)
+        mode = "barrier_prefetch" if prefetch else "barrier"
+        res["rows"].append({"links": links, "programs": sms, "work_int32": work, "mode": mode,
+                            "replay_ms": ms, "us_per_link": 1e3 * ms / links, "chain_ok": ok})
+        print(f"{links} grid barriers x {sms} programs x {work} int32, {mode}: {ms:.4f} ms, "
+              f"{1e3 * ms / links:.2f} us a barrier, completed {ok}")
     Path(args.out).write_text(json.dumps(res, indent=2) + "\n")
     return 0 if all(r["chain_ok"] for r in res["rows"]) else 1
 

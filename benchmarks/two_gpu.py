@@ -14,6 +14,11 @@ scaling, in one call.
 
     python benchmarks/two_gpu.py --out-dir DIR            # two GPUs
     python benchmarks/two_gpu.py --out-dir DIR --smoke    # CPU: gloo ranks, tiny shapes
+    python benchmarks/two_gpu.py --out-dir DIR --one-gpu  # the dry run while no -x2 is lent
+
+`--one-gpu` runs what one GPU can of it: the correctness checks at `-tp 1` (graphs, eager and
+DFlash against one device's eager AR tokens) and the scaling sweep's `-tp 1` configs (both
+shapes, AR and DFlash): the two-GPU run's baselines. No all-reduce, no two-GPU headline.
 """
 
 from __future__ import annotations
@@ -35,16 +40,17 @@ from blockspec.dflash.checkpoint import build_random_drafter
 from blockspec.tiny import build_tiny_deepseek_v3, build_tiny_model
 
 
-def correctness(root: Path, device: str) -> dict:
+def correctness(root: Path, device: str, one_gpu: bool = False) -> dict:
     qwen = build_tiny_model(root / "qwen3")
     ds = build_tiny_deepseek_v3(root / "deepseek-v3", q_lora_rank=24, seed=3)
+    dense_layouts, moe_layouts = ([(1, 1)], [(1, 1)]) if one_gpu else ([(2, 1)], [(2, 1), (2, 2)])
     return {
         "qwen3": layout_tokens_match(qwen, build_random_drafter(root / "qwen3-d", qwen,
                                                                 num_layers=2, block_size=8),
-                                     [(2, 1)], device),
+                                     dense_layouts, device),
         "deepseek_v3": layout_tokens_match(ds, build_random_drafter(root / "ds-d", ds,
                                                                     num_layers=2, block_size=8),
-                                           [(2, 1), (2, 2)], device)}
+                                           moe_layouts, device)}
 
 
 def sweep(name: str, target: Path, drafter: Path, layouts: str, common: list[str],
@@ -78,20 +84,25 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out-dir", required=True)
     ap.add_argument("--smoke", action="store_true", help="CPU: gloo ranks, tiny shapes")
+    ap.add_argument("--one-gpu", action="store_true",
+                    help="the -tp 1 half on one GPU (a dry run: no all-reduce, no headline)")
     ap.add_argument("--skip-scaling", action="store_true")
     a = ap.parse_args(argv)
+    if a.smoke and a.one_gpu:
+        ap.error("--smoke and --one-gpu are two different dry runs: pick one")
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     device = "cpu" if a.smoke else "cuda"
     res: dict = {"benchmark": "two_gpu", "command": recorded_command("benchmarks/two_gpu.py"),
-                 "environment": environment(), "smoke": a.smoke}
+                 "environment": environment(), "smoke": a.smoke, "one_gpu": a.one_gpu}
     with tempfile.TemporaryDirectory() as d:
         root = Path(d)
-        res["correctness"] = correctness(root, device)
-        res["allreduce_us"] = allreduce_times(device, 64 if a.smoke else 4096,
-                                              [1, 8] if a.smoke else [1, 8, 32, 128, 256])
+        res["correctness"] = correctness(root, device, a.one_gpu)
+        if not a.one_gpu:
+            res["allreduce_us"] = allreduce_times(device, 64 if a.smoke else 4096,
+                                                  [1, 8] if a.smoke else [1, 8, 32, 128, 256])
         if not a.skip_scaling:
-            res.update(scaling(root, out, a.smoke))
+            res.update(scaling(root, out, a.smoke, a.one_gpu))
     (out / "two_gpu.json").write_text(json.dumps(res, indent=1, default=str) + "\n")
     print(json.dumps({k: v for k, v in res.items() if k != "environment"}, indent=1,
                      default=str)[:4000])
@@ -100,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if ok else 1
 
 
-def scaling(root: Path, out: Path, smoke: bool) -> dict:
+def scaling(root: Path, out: Path, smoke: bool, one_gpu: bool = False) -> dict:
     if smoke:
         dense = build_tiny_model(root / "dense")
         dense_d = build_random_drafter(root / "dense-d", dense, num_layers=1, block_size=8)
@@ -116,11 +127,16 @@ def scaling(root: Path, out: Path, smoke: bool) -> dict:
         common = ["--load-format", "dummy", "--input-len", str(INPUT_LEN),
                   "--concurrency", "1,8,32,128,256", "--output-len", "256"]
     common += ["--dataset", "random", "--ignore-eos", "--no-prefix-caching"]
-    q = sweep("qwen3_8b", dense, dense_d, "tp1,tp2", common, out)
-    m = sweep("moonlight", moe, moe_d, "tp2,ep2", common, out)
+    q = sweep("qwen3_8b", dense, dense_d, "tp1" if one_gpu else "tp1,tp2", common, out)
+    m = sweep("moonlight", moe, moe_d, "tp1" if one_gpu else "tp2,ep2", common, out)
     tp1, tp2 = b1_step(q["results"], "tp1_ar"), b1_step(q["results"], "tp2_ar")
     spec = {**{f"qwen3_8b_{k}": v for k, v in ratios(q["results"]).items()},
             **{f"moonlight_{k}": v for k, v in ratios(m["results"]).items()}}
+    if one_gpu:  # the baselines only: no -tp 2 to set them against
+        return {"scaling": {"failed": q["failed"] + m["failed"], "dflash_over_ar": spec,
+                            "ar_b1_tpot_ms": {"tp1": tp1,
+                                              "moonlight_tp1": b1_step(m["results"], "tp1_ar")},
+                            "tp1_bytes_floor_ms": 2 * floor_ms(dense)}}
     mins = [min(v.values()) for k, v in spec.items() if v and not k.endswith("tp1")]
     return {"scaling": {"failed": q["failed"] + m["failed"], "dflash_over_ar": spec,
                         "ar_b1_tpot_ms": {"tp1": tp1, "tp2": tp2}},

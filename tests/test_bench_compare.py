@@ -226,7 +226,7 @@ def test_two_gpu_plans_its_layouts_and_its_headline(tmp_path, monkeypatch):
         return results, []
 
     monkeypatch.setattr(mod, "run_configs", fake_run_configs)
-    monkeypatch.setattr(mod, "correctness", lambda root, device: {
+    monkeypatch.setattr(mod, "correctness", lambda root, device, one_gpu: {
         "qwen3": {"all_equal": True}, "deepseek_v3": {"all_equal": True}})
     monkeypatch.setattr(mod, "allreduce_times", lambda *a, **k: {1: 10.0})
     assert mod.main(["--out-dir", str(tmp_path), "--smoke"]) == 0
@@ -236,6 +236,77 @@ def test_two_gpu_plans_its_layouts_and_its_headline(tmp_path, monkeypatch):
     assert res["headline"]["tp2_ar_b1_step_ratio"] == pytest.approx(0.6)
     assert res["headline"]["tp2_adaptive_min_ratio_vs_ar"] == pytest.approx(0.9)
     assert res["scaling"]["dflash_over_ar"]["moonlight_ep2"] == {"1": 3.0, "8": 0.9}
-    monkeypatch.setattr(mod, "correctness", lambda root, device: {
+    monkeypatch.setattr(mod, "correctness", lambda root, device, one_gpu: {
         "qwen3": {"all_equal": False}, "deepseek_v3": {"all_equal": True}})
     assert mod.main(["--out-dir", str(tmp_path), "--smoke", "--skip-scaling"]) == 1
+
+
+def test_two_gpu_one_gpu_dry_run_runs_the_tp1_half(tmp_path, monkeypatch):
+    """`--one-gpu` (issue 24's dry run while no two-GPU machine is lent): correctness at -tp 1
+    only, no all-reduce, the -tp 1 configs of both shapes, and no two-GPU headline."""
+    mod = load_script("two_gpu")
+    plans, layouts = [], []
+
+    def fake_run_configs(plan, common, out):
+        plans.append([n for n, _, _ in plan])
+        tok = {"tp1_ar": {1: 100.0}, "tp1_dflash": {1: 250.0}}
+        return {n: _result(label, tok[n]) for n, label, _ in plan}, []
+
+    def fake_correctness(root, device, one_gpu):
+        layouts.append((device, one_gpu))
+        return {"qwen3": {"all_equal": True}, "deepseek_v3": {"all_equal": True}}
+
+    def no_allreduce(*a, **k):
+        raise AssertionError("one GPU has no all-reduce to time")
+
+    monkeypatch.setattr(mod, "run_configs", fake_run_configs)
+    monkeypatch.setattr(mod, "correctness", fake_correctness)
+    monkeypatch.setattr(mod, "allreduce_times", no_allreduce)
+    monkeypatch.setattr(mod, "floor_ms", lambda target: 4.0)
+    assert mod.main(["--out-dir", str(tmp_path), "--one-gpu"]) == 0
+    assert layouts == [("cuda", True)]
+    assert plans == [["tp1_ar", "tp1_dflash"], ["tp1_ar", "tp1_dflash"]]
+    res = json.loads((tmp_path / "two_gpu.json").read_text())
+    assert "headline" not in res and "allreduce_us" not in res and res["one_gpu"]
+    assert res["scaling"]["tp1_bytes_floor_ms"] == 8.0
+    assert res["scaling"]["dflash_over_ar"]["qwen3_8b_tp1"] == {"1": 2.5}
+    with pytest.raises(SystemExit):
+        mod.main(["--out-dir", str(tmp_path), "--one-gpu", "--smoke"])
+
+
+def test_kimi_compare_cut_for_one_gpu(tmp_path, monkeypatch):
+    """`--moe-layers N` (issue 25's dry run on fewer GPUs): the target is the dense layer + N
+    MoE layers at full width, the drafter reads layers within the cut, and the bytes model
+    counts the cut's own weights (less than the full model's outside the experts)."""
+    from blockspec.dflash.config import DFlashConfig
+
+    mod = _kimi_script()
+    seen = {}
+
+    def fake_run_configs(plan, common, out):
+        model = Path(common[common.index("--model") + 1])
+        seen["layers"] = json.loads((model / "config.json").read_text())["num_hidden_layers"]
+        draft = Path(plan[-1][2][plan[-1][2].index("--draft") + 1])
+        seen["ids"] = DFlashConfig.from_pretrained(draft).target_layer_ids
+        seen["names"] = [n for n, _, _ in plan]
+        res = {}
+        for name, label, _ in plan:
+            r = _result(label, {1: 100.0 if name.endswith("_ar") else 200.0})
+            r["levels"][0].update(step_mix={"ahead/8": {"tokens": 9}},
+                                  acceptance={"mean_acceptance_length": 3.0})
+            res[name] = r
+        return res, []
+
+    monkeypatch.setattr(mod, "run_configs", fake_run_configs)
+    argv = ["--out-dir", str(tmp_path), "--layouts", "tp1", "--concurrency", "1",
+            "--acceptances", "0.86", "--moe-layers", "2"]
+    assert mod.main(argv) == 0
+    assert seen["layers"] == 3 and max(seen["ids"]) < 3
+    assert seen["names"] == ["tp1_ar", "tp1_dflash_a0.86"]
+    out = json.loads((tmp_path / "kimi_compare.json").read_text())
+    dense_gb, expert_gb = out["bytes_gb"]
+    assert 0 < dense_gb < mod.DENSE_GB and expert_gb == pytest.approx(mod.EXPERT_GB / 30)
+    assert out["headline"]["a0.86"]["bytes_model_c1"] == pytest.approx(
+        mod.bytes_model_c1(3.0, 8, dense_gb, expert_gb))
+    with pytest.raises(SystemExit):
+        mod.main([*argv, "--smoke"])
