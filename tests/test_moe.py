@@ -79,3 +79,27 @@ def test_router_kernel_picks_what_torch_picks(t, e, k, n_group, topk_group, norm
     w16, ids16 = route(logits, b, k, n_group, topk_group, norm, 2.5, torch.float16)
     assert w16.dtype == torch.float16 and torch.equal(ids16, ids0)
     assert torch.equal(w16, w.to(torch.float16))
+
+
+@pytest.mark.parametrize("e,k,n_group,topk_group", [(384, 8, 1, 1), (6, 2, 1, 1), (32, 4, 4, 2)])
+def test_router_kernel_keeps_nan_rows_in_range(e, k, n_group, topk_group):
+    """A graph's padding rows route unwritten attention output, NaN included: their picks stay
+    distinct experts in [0, E) (on a GPU a NaN loses every argmax comparison, so a row of NaNs
+    once picked lanes past E, past the experts, when E is not a power of two: Kimi's 384); a
+    row's finite scores still win over its NaNs, and finite rows route as before."""
+    pytest.importorskip("triton")
+    from blockspec.layers.moe import select_experts_reference
+    from blockspec.layers.moe_router import route
+
+    g = torch.Generator().manual_seed(e)
+    logits = torch.randn(3, e, generator=g) * 3
+    logits[0] = float("nan")
+    logits[1, ::2] = float("nan")
+    b = torch.randn(e, generator=g) * 0.5
+    _, ids = route(logits, b, k, n_group, topk_group, True, 2.5)
+    assert ids.min() >= 0 and ids.max() < e
+    assert all(len(set(row)) == k for row in ids.tolist())
+    if n_group == 1:
+        assert all(i % 2 == 1 for i in ids[1].tolist())  # the finite half
+    _, ids0 = select_experts_reference(logits[2:], b, k, n_group, topk_group, True, 2.5)
+    assert torch.equal(ids[2:], ids0)

@@ -16,6 +16,7 @@ MAX_EXPERTS = 1024  # one row of scores in registers
 # NOTE: one warp: the top-k's argmaxes and sums reduce by shuffles alone, not through shared
 # memory and barriers across warps (2 x top_k reductions a token, in sequence)
 ROUTE_WARPS = 1
+_NAN_RANK = tl.constexpr(-1e30)  # a NaN score's rank: below any score, above -inf
 
 
 def routable(num_experts: int, top_k: int, n_group: int) -> bool:
@@ -62,7 +63,10 @@ def _route_kernel(logits_ptr, bias_ptr, weights_ptr, ids_ptr, stride_l, scaling,
     biased = score
     if HAS_BIAS:
         biased = score + tl.load(bias_ptr + e, mask=ok, other=0.0).to(tl.float32)
-    biased = tl.where(ok, biased, float("-inf"))
+    # NOTE: a graph's padding tokens route whatever their unwritten attention rows held, NaN
+    # included. A NaN never wins argmax's comparison, so a row of NaNs would pick a padding lane
+    # past E (an out-of-range expert downstream); NaN ranks below every score instead.
+    biased = tl.where(ok, tl.where(biased == biased, biased, _NAN_RANK), float("-inf"))
     if N_GROUP > 1:
         biased = _keep_groups(biased, E_PAD, N_GROUP, TOPK_GROUP)
     k = tl.arange(0, K_PAD)
